@@ -1,0 +1,1 @@
+//! Userspace API for fgds.
