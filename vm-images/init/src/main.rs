@@ -1,1 +1,304 @@
-fn main() {}
+//! The rig's guest init (PID 1), a static binary at `/init` in the initramfs.
+//!
+//! It mounts the kernel filesystems, loads the modules the plan names (kernel modules first,
+//! then the rig's own), runs the test binaries one by one with a timeout each, streams their
+//! KTAP output nested under one KTAP document on the virtio-serial port `fgds.ktap`, and powers
+//! the machine off. Failures are reported as results, never by stopping early: the host counts
+//! a missing result as a crash.
+//!
+//! The plan, `/etc/fgds/plan`, is written by the host, one directive a line:
+//! `module <kernel|rig> <path> [params]` and `test <name> <path> <timeout-seconds>`.
+//! In module params `@ivshmem@` stands for the fake GPU's PCI address.
+
+use std::ffi::CString;
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+const KTAP_PORT_NAME: &str = "fgds.ktap";
+const PLAN: &str = "/etc/fgds/plan";
+const LOADED: &str = "/run/fgds/modules";
+
+struct Module {
+    path: String,
+    params: String,
+}
+
+struct Test {
+    name: String,
+    path: String,
+    timeout: Duration,
+}
+
+fn main() {
+    if let Err(err) = run() {
+        console(&format!("fgds-init: {err:#}"));
+    }
+    let _ = rustix::fs::sync();
+    // SAFETY: `reboot(2)` with RB_POWER_OFF has no memory-safety preconditions.
+    unsafe { libc::reboot(libc::RB_POWER_OFF) };
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    mount_kernel_filesystems()?;
+    let (modules, tests) = read_plan()?;
+    let mut ktap = open_ktap_port()?;
+    writeln!(ktap, "KTAP version 1")?;
+    writeln!(ktap, "# fgds-rig: kernel {}", kernel_release())?;
+    writeln!(ktap, "1..{}", tests.len() + 1)?;
+    ktap.flush()?;
+
+    kmsg("begin setup");
+    let setup = load_modules(&modules);
+    kmsg("end setup");
+    match &setup {
+        Ok(()) => writeln!(ktap, "ok 1 setup")?,
+        Err(err) => {
+            for line in format!("{err:#}").lines() {
+                writeln!(ktap, "# setup: {line}")?;
+            }
+            writeln!(ktap, "not ok 1 setup")?;
+        }
+    }
+    ktap.flush()?;
+
+    for (i, test) in tests.iter().enumerate() {
+        run_test(&mut ktap, i + 2, test)?;
+    }
+    writeln!(ktap, "# fgds-rig: done")?;
+    ktap.flush()?;
+    Ok(())
+}
+
+fn mount_kernel_filesystems() -> anyhow::Result<()> {
+    use rustix::mount::{MountFlags, mount};
+    let mounts = [
+        ("proc", "/proc", "proc"),
+        ("sysfs", "/sys", "sysfs"),
+        ("devtmpfs", "/dev", "devtmpfs"),
+        ("tmpfs", "/tmp", "tmpfs"),
+        ("tmpfs", "/run", "tmpfs"),
+        ("debugfs", "/sys/kernel/debug", "debugfs"),
+    ];
+    for (source, target, fstype) in mounts {
+        fs::create_dir_all(target).with_context(|| format!("cannot create {target}"))?;
+        match mount(source, target, fstype, MountFlags::empty(), None) {
+            Ok(()) | Err(rustix::io::Errno::BUSY) => {}
+            // Not every kernel has debugfs; tests that need it skip.
+            Err(_) if fstype == "debugfs" => {}
+            Err(err) => bail!("cannot mount {fstype} on {target}: {err}"),
+        }
+    }
+    fs::create_dir_all("/run/fgds")?;
+    Ok(())
+}
+
+fn read_plan() -> anyhow::Result<(Vec<Module>, Vec<Test>)> {
+    let text = fs::read_to_string(PLAN).with_context(|| format!("cannot read {PLAN}"))?;
+    let mut modules = Vec::new();
+    let mut tests = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let mut words = line.splitn(4, ' ');
+        match (words.next(), words.next(), words.next(), words.next()) {
+            (Some("module"), Some(_kind), Some(path), params) => {
+                modules.push(Module { path: path.to_owned(), params: params.unwrap_or("").to_owned() })
+            }
+            (Some("test"), Some(name), Some(path), Some(timeout)) => tests.push(Test {
+                name: name.to_owned(),
+                path: path.to_owned(),
+                timeout: Duration::from_secs(timeout.parse().with_context(|| format!("bad timeout in {line:?}"))?),
+            }),
+            _ => bail!("malformed plan line {line:?}"),
+        }
+    }
+    Ok((modules, tests))
+}
+
+/// Finds the virtio-serial port named [`KTAP_PORT_NAME`] (there is no udev to make the
+/// `/dev/virtio-ports/` link).
+fn open_ktap_port() -> anyhow::Result<File> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(entries) = fs::read_dir("/sys/class/virtio-ports") {
+            for entry in entries.flatten() {
+                let name = fs::read_to_string(entry.path().join("name")).unwrap_or_default();
+                if name.trim() == KTAP_PORT_NAME {
+                    let dev = Path::new("/dev").join(entry.file_name());
+                    return OpenOptions::new()
+                        .write(true)
+                        .open(&dev)
+                        .with_context(|| format!("cannot open {}", dev.display()));
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("no virtio-serial port named {KTAP_PORT_NAME}: is virtio_console loaded?");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn load_modules(modules: &[Module]) -> anyhow::Result<()> {
+    let ivshmem = find_pci_device("0x1af4", "0x1110");
+    let mut loaded = String::new();
+    let mut errors = Vec::new();
+    for module in modules {
+        let params = match (&ivshmem, module.params.contains("@ivshmem@")) {
+            (Some(bdf), true) => module.params.replace("@ivshmem@", bdf),
+            (None, true) => {
+                errors.push(format!("{}: no ivshmem device (1af4:1110) found for its params", module.path));
+                continue;
+            }
+            (_, false) => module.params.clone(),
+        };
+        let res = File::open(&module.path)
+            .map_err(anyhow::Error::from)
+            .and_then(|file| Ok(rustix::system::finit_module(&file, &CString::new(params.clone())?, 0)?));
+        match res {
+            Ok(()) => loaded.push_str(&format!("{} {}\n", module.path, params)),
+            // Already there (EEXIST): loaded as a dependency or built in.
+            Err(_) if is_loaded(&module.path) => loaded.push_str(&format!("{} {}\n", module.path, params)),
+            Err(err) => errors.push(format!("cannot load {} {params}: {err:#}", module.path)),
+        }
+    }
+    fs::write(LOADED, loaded).with_context(|| format!("cannot write {LOADED}"))?;
+    wait_for_devices();
+    if errors.is_empty() { Ok(()) } else { bail!("{}", errors.join("\n")) }
+}
+
+fn is_loaded(path: &str) -> bool {
+    let name = Path::new(path).file_stem().map(|s| s.to_string_lossy().replace('-', "_")).unwrap_or_default();
+    Path::new("/sys/module").join(name).exists()
+}
+
+/// Waits (bounded) for the NVMe namespace, which the driver probes asynchronously.
+fn wait_for_devices() {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !Path::new("/dev/nvme0n1").exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn find_pci_device(vendor: &str, device: &str) -> Option<String> {
+    let entries = fs::read_dir("/sys/bus/pci/devices").ok()?;
+    for entry in entries.flatten() {
+        let read = |attr: &str| fs::read_to_string(entry.path().join(attr)).unwrap_or_default();
+        if read("vendor").trim() == vendor && read("device").trim() == device {
+            return Some(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    None
+}
+
+fn run_test(ktap: &mut File, number: usize, test: &Test) -> anyhow::Result<()> {
+    kmsg(&format!("begin {}", test.name));
+    let started = Instant::now();
+    let child = Command::new(&test.path)
+        .env("FGDS_NVME", "/dev/nvme0n1")
+        .env("PATH", "/tests:/exec")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(child) => child,
+        Err(err) => {
+            writeln!(ktap, "# {}: cannot start {}: {err}", test.name, test.path)?;
+            writeln!(ktap, "not ok {number} {}", test.name)?;
+            kmsg(&format!("end {}", test.name));
+            return Ok(());
+        }
+    };
+    // Lines from stdout (KTAP, nested) and stderr (diagnostics) arrive through one channel so
+    // the timeout below is exact.
+    let (tx, rx) = mpsc::channel::<(bool, String)>();
+    let out = child.stdout.take().expect("piped stdout");
+    let err = child.stderr.take().expect("piped stderr");
+    let tx2 = tx.clone();
+    std::thread::spawn(move || forward_lines(out, true, tx));
+    std::thread::spawn(move || forward_lines(err, false, tx2));
+
+    let deadline = started + test.timeout;
+    let mut child_failed = false;
+    let mut open_streams = 2;
+    let mut timed_out = false;
+    while open_streams > 0 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok((_, line)) if line == "\0eof" => open_streams -= 1,
+            Ok((true, line)) => {
+                child_failed |= line.trim_start().starts_with("not ok ");
+                writeln!(ktap, "  {line}")?;
+                ktap.flush()?;
+            }
+            Ok((false, line)) => {
+                writeln!(ktap, "  # {line}")?;
+                ktap.flush()?;
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                timed_out = true;
+                let _ = child.kill();
+                break;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    let status = child.wait().context("waitpid")?;
+    let secs = started.elapsed().as_secs_f64();
+    writeln!(ktap, "# {}: {:.1} s", test.name, secs)?;
+    let line = if timed_out {
+        format!("not ok {number} {} # TIMEOUT {} seconds", test.name, test.timeout.as_secs())
+    } else {
+        match status.code() {
+            Some(0) if !child_failed => format!("ok {number} {}", test.name),
+            Some(4) => format!("ok {number} {} # SKIP the program exited with 4", test.name),
+            Some(code) => format!("not ok {number} {} # exit={code}", test.name),
+            None => format!("not ok {number} {} # killed by a signal ({status})", test.name),
+        }
+    };
+    writeln!(ktap, "{line}")?;
+    ktap.flush()?;
+    kmsg(&format!("end {}", test.name));
+    Ok(())
+}
+
+fn forward_lines(stream: impl std::io::Read, is_stdout: bool, tx: mpsc::Sender<(bool, String)>) {
+    for line in BufReader::new(stream).lines() {
+        match line {
+            Ok(line) => {
+                if tx.send((is_stdout, line)).is_err() {
+                    return;
+                }
+            }
+            Err(_) => break,
+        }
+    }
+    let _ = tx.send((is_stdout, "\0eof".to_owned()));
+}
+
+/// Writes a marker into the kernel log, so the host can tell which test a splat belongs to.
+fn kmsg(msg: &str) {
+    if let Ok(mut kmsg) = OpenOptions::new().write(true).open("/dev/kmsg") {
+        let _ = writeln!(kmsg, "fgds-rig: {msg}");
+    }
+}
+
+fn console(msg: &str) {
+    if let Ok(mut console) = OpenOptions::new().write(true).custom_flags(libc::O_NOCTTY).open("/dev/console") {
+        let _ = writeln!(console, "{msg}");
+    }
+}
+
+fn kernel_release() -> String {
+    fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_owned()).unwrap_or_default()
+}
+
