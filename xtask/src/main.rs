@@ -1,1 +1,51 @@
-fn main() {}
+//! `cargo xtask`: the one entry point for building, booting and testing fgds.
+//!
+//! - `cargo xtask test-vm [--kernel SPEC] [--exec PATH]...`: build the driver and the guest,
+//!   boot a kernel in QEMU, run the suite, report one line per test.
+//! - `cargo xtask ci`: what CI runs (formatting, clippy, host tests, driver checks, test-vm).
+
+mod ci;
+mod driver;
+mod guest;
+mod host;
+mod report;
+mod vm;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "Build, boot and test fgds", arg_required_else_help = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Boot a kernel in QEMU with an NVMe drive and an ivshmem GPU, run the suite, report.
+    TestVm(vm::Options),
+    /// What CI runs: fmt, clippy, host tests, driver checks, then test-vm on the CI kernels.
+    Ci(ci::Options),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let res = match cli.command {
+        Command::TestVm(opts) => vm::test_vm(&opts),
+        Command::Ci(opts) => ci::ci(&opts),
+    };
+    match res {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root (the parent of xtask/).
+fn project_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+}

@@ -1,0 +1,209 @@
+//! The rig's machine and the QEMU process that runs it.
+//!
+//! q35 with TCG by default; the NVMe drive and the ivshmem "GPU" sit behind one emulated PCIe
+//! switch (x3130 upstream, two xio3130 downstream ports) under a root port, so the kernel's P2P
+//! distance check sees a shared upstream bridge and allows P2P DMA between them
+//! (research/kernel-mechanisms.md 1.4). The GPU's memory is a host file, so the host can check
+//! after the run what the guest wrote into it.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+/// The CPU accelerator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    Tcg,
+    Kvm,
+}
+
+/// What the machine is made of. Every path is the host's.
+pub struct Config {
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    /// Extra kernel parameters, after the rig's own.
+    pub cmdline: String,
+    pub accel: Accel,
+    pub cpus: u32,
+    pub memory_mib: u32,
+    pub nvme_image: PathBuf,
+    pub gpu_backing: PathBuf,
+    pub gpu_bytes: u64,
+    /// Where the console log, the KTAP log, the QEMU log and the QMP socket go.
+    pub run_dir: PathBuf,
+}
+
+/// The files of one run, under [`Config::run_dir`].
+pub struct RunFiles {
+    pub console: PathBuf,
+    pub ktap: PathBuf,
+    pub qemu_log: PathBuf,
+    pub qmp: PathBuf,
+}
+
+/// The QEMU device id of the GPU (for `device_del`).
+pub const GPU_ID: &str = "gpu0";
+/// The QEMU device id of the NVMe controller.
+pub const NVME_ID: &str = "nvme0";
+
+/// The kernel parameters the rig always passes: console on the first serial port, a panic or
+/// oops ends the machine at once (`-no-reboot` turns the reboot into QEMU's exit).
+pub const BASE_CMDLINE: &str = "console=ttyS0,115200 panic=-1 oops=panic nmi_watchdog=0 \
+                                 rdinit=/init loglevel=6 printk.devkmsg=on";
+
+pub fn run_files(run_dir: &Path) -> RunFiles {
+    RunFiles {
+        console: run_dir.join("console.log"),
+        ktap: run_dir.join("ktap.log"),
+        qemu_log: run_dir.join("qemu.log"),
+        qmp: run_dir.join("qmp.sock"),
+    }
+}
+
+/// The QEMU command line for `config`.
+pub fn args(config: &Config) -> Vec<String> {
+    let files = run_files(&config.run_dir);
+    let accel = match config.accel {
+        Accel::Tcg => "tcg,thread=multi",
+        Accel::Kvm => "kvm",
+    };
+    let mut args = Vec::new();
+    let mut push = |items: &[&str]| args.extend(items.iter().map(|s| (*s).to_owned()));
+    push(&["-machine", "q35", "-accel", accel, "-nodefaults", "-no-reboot", "-display", "none"]);
+    push(&["-cpu", if config.accel == Accel::Kvm { "host" } else { "qemu64" }]);
+    push(&["-smp", &config.cpus.to_string(), "-m", &format!("{}M", config.memory_mib)]);
+    push(&["-kernel", &path(&config.kernel), "-initrd", &path(&config.initrd)]);
+    push(&["-append", &format!("{BASE_CMDLINE} {}", config.cmdline).trim().to_owned()]);
+    push(&["-chardev", &format!("file,id=console,path={}", path(&files.console))]);
+    push(&["-serial", "chardev:console"]);
+    push(&["-device", "virtio-serial-pci,id=vser"]);
+    push(&["-chardev", &format!("file,id=ktap,path={}", path(&files.ktap))]);
+    push(&["-device", "virtserialport,bus=vser.0,chardev=ktap,name=fgds.ktap"]);
+    push(&["-qmp", &format!("unix:{},server=on,wait=off", path(&files.qmp))]);
+    push(&["-device", "pvpanic-pci"]);
+    // The switch: root port -> upstream port -> two downstream ports (hot-pluggable slots).
+    push(&["-device", "pcie-root-port,id=rp0,bus=pcie.0,chassis=1,slot=1"]);
+    push(&["-device", "x3130-upstream,id=up0,bus=rp0"]);
+    push(&["-device", "xio3130-downstream,id=dn0,bus=up0,chassis=2,slot=0"]);
+    push(&["-device", "xio3130-downstream,id=dn1,bus=up0,chassis=3,slot=0"]);
+    push(&[
+        "-blockdev",
+        &format!(
+            "driver=raw,node-name=nvme0-disk,file.driver=file,file.filename={},file.cache.direct=off",
+            path(&config.nvme_image)
+        ),
+    ]);
+    push(&["-device", &format!("nvme,id={NVME_ID},serial=fgds0,drive=nvme0-disk,bus=dn0")]);
+    push(&[
+        "-object",
+        &format!(
+            "memory-backend-file,id=vram0,size={},mem-path={},share=on",
+            config.gpu_bytes,
+            path(&config.gpu_backing)
+        ),
+    ]);
+    push(&["-device", &format!("ivshmem-plain,id={GPU_ID},memdev=vram0,bus=dn1")]);
+    args
+}
+
+fn path(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// A running machine.
+pub struct Machine {
+    child: Child,
+    pub files: RunFiles,
+    started: Instant,
+}
+
+/// How the machine ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Exit {
+    /// QEMU exited by itself (the guest powered off, or rebooted after a panic).
+    Exited { code: Option<i32> },
+    /// It ran past its time limit and was stopped.
+    TimedOut,
+}
+
+/// Starts QEMU for `config` (`qemu-system-x86_64` from PATH).
+pub fn start(config: &Config) -> anyhow::Result<Machine> {
+    let files = run_files(&config.run_dir);
+    for stale in [&files.console, &files.ktap, &files.qmp] {
+        let _ = std::fs::remove_file(stale);
+    }
+    let log = File::create(&files.qemu_log).with_context(|| format!("cannot create {}", files.qemu_log.display()))?;
+    let args = args(config);
+    std::fs::write(config.run_dir.join("qemu.cmdline"), shell_words(&args))?;
+    let child = Command::new("qemu-system-x86_64")
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .context("cannot start qemu-system-x86_64: is the qemu-system-x86 package installed?")?;
+    Ok(Machine { child, files, started: Instant::now() })
+}
+
+fn shell_words(args: &[String]) -> String {
+    let quoted = args.iter().map(|a| format!("'{}'", a.replace('\'', r"'\''"))).collect::<Vec<_>>();
+    format!("qemu-system-x86_64 {}\n", quoted.join(" "))
+}
+
+impl Machine {
+    /// Waits for QEMU to exit, at most `limit`; calls `on_tick` about every 200 ms so the caller
+    /// can show progress. Past the limit the machine is stopped.
+    pub fn wait(&mut self, limit: Duration, mut on_tick: impl FnMut()) -> anyhow::Result<Exit> {
+        loop {
+            if let Some(status) = self.child.try_wait().context("waitpid on QEMU")? {
+                return Ok(Exit::Exited { code: status.code() });
+            }
+            if self.started.elapsed() > limit {
+                self.stop();
+                return Ok(Exit::TimedOut);
+            }
+            on_tick();
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Stops QEMU: `quit` over QMP, then SIGKILL if it is still there a few seconds later.
+    pub fn stop(&mut self) {
+        if let Ok(mut qmp) = crate::qmp::connect(&self.files.qmp, Duration::from_secs(1)) {
+            let _ = qmp.quit();
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+}
+
+impl Drop for Machine {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.stop();
+        }
+    }
+}
+
+/// Fails unless QEMU's log is free of errors that mean the machine was not what we asked for.
+pub fn check_qemu_log(files: &RunFiles) -> anyhow::Result<()> {
+    let log = std::fs::read_to_string(&files.qemu_log).unwrap_or_default();
+    if let Some(line) = log.lines().find(|l| l.contains("qemu-system-x86_64:")) {
+        bail!("QEMU reported: {line} (full log: {})", files.qemu_log.display());
+    }
+    Ok(())
+}

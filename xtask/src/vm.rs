@@ -1,0 +1,171 @@
+//! `cargo xtask test-vm`: one kernel, one machine, the whole suite.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use fgds_qemu::machine::{self, Accel};
+use fgds_tests::pattern;
+use fgds_vm_images::{disk, kernel};
+
+use crate::host::{self, Phases};
+use crate::report::{self, Outcome};
+use crate::{driver, guest};
+
+/// Seconds the guest gets to boot and load modules, on top of the tests' own timeouts.
+const BOOT_ALLOWANCE_SECS: u64 = 120;
+/// Timeout of a program given with `--exec`.
+const EXEC_TIMEOUT_SECS: u64 = 300;
+
+#[derive(clap::Args, Clone)]
+pub struct Options {
+    /// The kernel: debian:6.1, debian:6.12, debian:7.2, debian:7.3, or path:DIR (a built tree).
+    #[arg(long, default_value = "debian:6.12")]
+    pub kernel: String,
+    /// CPU accelerator. KVM is opt-in: these hosts' /dev/kvm cannot boot the guest kernels.
+    #[arg(long, value_enum, default_value_t = AccelArg::Tcg)]
+    pub accel: AccelArg,
+    /// A static executable to run in the guest after the suite (repeatable). Exit 0 passes,
+    /// 4 skips, anything else fails; KTAP lines it prints are reported as subtests.
+    #[arg(long = "exec", value_name = "PATH")]
+    pub exec: Vec<PathBuf>,
+    /// The vgpu exporter's mode: plain (no struct pages, like VRAM) or p2pdma.
+    #[arg(long, default_value = "plain")]
+    pub vgpu_mode: String,
+    /// Run only the suite's programs whose names contain this (repeatable; --exec ones always run).
+    #[arg(long = "only", value_name = "NAME")]
+    pub only: Vec<String>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy)]
+pub enum AccelArg {
+    Tcg,
+    Kvm,
+}
+
+pub fn test_vm(opts: &Options) -> anyhow::Result<ExitCode> {
+    let outcomes = run_kernel(opts)?;
+    let passed = report::print(outcomes);
+    Ok(if passed { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Runs the suite on one kernel and returns the verdicts. Errors are problems of the host (a
+/// kernel that cannot be fetched, a driver that does not build), not test failures.
+pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
+    let spec: kernel::KernelSpec = opts.kernel.parse()?;
+    let label = spec.slug();
+    let run_dir = crate::project_root().join("target/vm").join(&label);
+    std::fs::create_dir_all(&run_dir).with_context(|| format!("cannot create {}", run_dir.display()))?;
+    eprintln!("test-vm: {} (artifacts in {})", opts.kernel, run_dir.display());
+    let mut phases = Phases::default();
+
+    host::ensure_packages(host::VM_PACKAGES)?;
+    let cache = host::cache_dir()?;
+    let kernel = phases.run("fetch", || kernel::prepare(&spec, &cache))?;
+    eprintln!("  kernel {} (package {})", kernel.release, display_version(&kernel.package_version));
+
+    let (kos, bin_dir) = phases.run("build", || {
+        let kos = driver::build(&kernel, &run_dir)?;
+        Ok((kos, guest::build_binaries()?))
+    })?;
+
+    let initrd = run_dir.join("initramfs.cpio");
+    let nvme_image = run_dir.join("nvme.img");
+    let gpu_backing = run_dir.join("gpu-vram.bin");
+    let suite = phases.run("image", || {
+        let mut suite = guest::default_suite(&bin_dir)?;
+        if !opts.only.is_empty() {
+            suite.retain(|e| opts.only.iter().any(|o| e.name.contains(o.as_str())));
+        }
+        for exec in &opts.exec {
+            suite.push(guest::exec_entry(exec, EXEC_TIMEOUT_SECS)?);
+        }
+        let rig = kos
+            .iter()
+            .zip(driver::RIG_MODULES)
+            .map(|(ko, name)| guest::RigModule { ko: ko.clone(), params: module_params(name, opts) })
+            .collect::<Vec<_>>();
+        let plan = guest::make_initramfs(&kernel, &cache, &bin_dir, &rig, &suite, &initrd)?;
+        std::fs::write(run_dir.join("plan.txt"), plan)?;
+        disk::write_nvme_image(&nvme_image)?;
+        disk::write_gpu_backing(&gpu_backing, pattern::GPU_MEMORY_BYTES)?;
+        Ok(suite)
+    })?;
+
+    let config = machine::Config {
+        kernel: kernel.vmlinuz.clone(),
+        initrd,
+        cmdline: String::new(),
+        accel: match opts.accel {
+            AccelArg::Tcg => Accel::Tcg,
+            AccelArg::Kvm => Accel::Kvm,
+        },
+        cpus: 2,
+        memory_mib: 2048,
+        nvme_image,
+        gpu_backing: gpu_backing.clone(),
+        gpu_bytes: pattern::GPU_MEMORY_BYTES,
+        run_dir: run_dir.clone(),
+    };
+    let limit = Duration::from_secs(BOOT_ALLOWANCE_SECS + suite.iter().map(|e| e.timeout_secs).sum::<u64>());
+    let (exit, boot) = run_machine(&config, limit)?;
+    phases.record("boot", boot.unwrap_or_default());
+    phases.record("tests", exit.1.saturating_sub(boot.unwrap_or_default()));
+
+    let files = machine::run_files(&run_dir);
+    let ktap = std::fs::read_to_string(&files.ktap).unwrap_or_default();
+    let console = std::fs::read_to_string(&files.console).unwrap_or_default();
+    let machine_problem = match (&exit.0, machine::check_qemu_log(&files)) {
+        (machine::Exit::TimedOut, _) => Some(format!("the machine ran past its limit of {} s and was stopped", limit.as_secs())),
+        (_, Err(err)) => Some(format!("{err:#}")),
+        (machine::Exit::Exited { .. }, Ok(())) => None,
+    };
+    let planned = std::iter::once("setup".to_owned()).chain(suite.iter().map(|e| e.name.clone())).collect::<Vec<_>>();
+    for line in ktap.lines().filter_map(|l| l.split("fgds-report: ").nth(1)) {
+        eprintln!("  {line}");
+    }
+    eprintln!("  phases: {}", phases.summary());
+    Ok(report::outcomes(&report::RunArtifacts {
+        label: &label,
+        planned: &planned,
+        ktap: &ktap,
+        console: &console,
+        gpu_backing: &gpu_backing,
+        machine_problem,
+    }))
+}
+
+fn module_params(name: &str, opts: &Options) -> String {
+    match name {
+        "vgpu" => format!("mode={}", opts.vgpu_mode),
+        "fgds" => "devices=@ivshmem@".to_owned(),
+        _ => String::new(),
+    }
+}
+
+fn display_version(v: &str) -> &str {
+    if v.is_empty() { "none: a local tree" } else { v }
+}
+
+/// Boots the machine and waits for it, echoing top-level results as they arrive. Returns how it
+/// ended with its run time, and the boot time (until the setup result arrived).
+fn run_machine(config: &machine::Config, limit: Duration) -> anyhow::Result<((machine::Exit, Duration), Option<Duration>)> {
+    let mut vm = machine::start(config)?;
+    let started = Instant::now();
+    let files = machine::run_files(&config.run_dir);
+    let mut shown = 0;
+    let mut boot = None;
+    let exit = vm.wait(limit, || {
+        let text = std::fs::read_to_string(&files.ktap).unwrap_or_default();
+        let lines = text.lines().filter(|l| l.starts_with("ok ") || l.starts_with("not ok ")).collect::<Vec<_>>();
+        for line in &lines[shown.min(lines.len())..] {
+            if boot.is_none() {
+                boot = Some(started.elapsed());
+            }
+            eprintln!("  [{:6.1}s] {line}", started.elapsed().as_secs_f64());
+        }
+        shown = lines.len();
+    })?;
+    Ok(((exit, vm.elapsed()), boot))
+}
