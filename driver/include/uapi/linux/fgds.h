@@ -1,0 +1,115 @@
+/* SPDX-License-Identifier: GPL-2.0 WITH Linux-syscall-note */
+/*
+ * fgds: direct I/O between NVMe and GPU memory exported as a dma-buf.
+ *
+ * Layout-identical to the UAPI of the "[RFC PATCH] misc: fgds" driver: a
+ * program written against that header works unchanged.
+ *
+ * Flow: open("/dev/fgds_DDDD_BB_DD_F", O_RDWR), FGDS_IOCTL_REG_BUFFER with a
+ * dma-buf fd exported by the GPU's driver, mmap(NULL, size, PROT_READ |
+ * PROT_WRITE, MAP_SHARED, fd, idx), then pread()/pwrite()/io_uring on an
+ * O_DIRECT file with the mapped address as the user buffer. The mapping is
+ * device memory: the CPU should only use it as a DMA target or source.
+ *
+ * DOC: revocation contract
+ *
+ * A registration is revoked when the exporter invalidates the dma-buf
+ * (move_notify up to Linux 6.12, invalidate_mappings from 7.x), when the GPU's
+ * driver unbinds, or when the GPU is removed. On revocation fgds
+ *
+ *  - removes every user mapping of the buffer (in every process, including
+ *    children after fork); a later CPU access to the mapped range raises
+ *    SIGBUS, and a later read()/write()/io_uring request on it fails with
+ *    EFAULT (the kernel cannot pin the pages any more);
+ *  - waits for I/O already in flight into the buffer to finish, for at most
+ *    the module parameter revoke_timeout_ms; only that I/O can still reach
+ *    the memory, nothing started after the revocation can;
+ *  - then unmaps and unpins the dma-buf, as the dma-buf contract requires.
+ *
+ * The token stays registered until FGDS_IOCTL_UNREG_BUFFER or close: mmap()
+ * of a revoked token fails with ENODEV. Revocation is permanent; register the
+ * dma-buf again to get a new token.
+ */
+#ifndef _UAPI_LINUX_FGDS_H
+#define _UAPI_LINUX_FGDS_H
+
+#include <linux/ioctl.h>
+#include <linux/types.h>
+
+/**
+ * struct fgds_ioctl_reg_buffer - argument of FGDS_IOCTL_REG_BUFFER
+ * @dmabuf_fd: in: dma-buf fd exported by the GPU's driver for memory in the
+ *	GPU's BAR. The caller may close it once the ioctl returns.
+ * @flags: in: reserved, must be 0.
+ * @dmabuf_offset: in: offset of the registered range inside the dma-buf,
+ *	PAGE_SIZE aligned.
+ * @size: in: length of the registered range, PAGE_SIZE aligned, non-zero.
+ *	Any larger alignment a GPU runtime needs (e.g. 64 KiB) is the caller's.
+ * @idx: out: token to pass as the offset argument of mmap(2).
+ *
+ * Errors (returned by ioctl(2) in errno):
+ *
+ * - EFAULT: the argument cannot be read or @idx cannot be written.
+ * - EINVAL: @flags is not 0; @dmabuf_fd is negative or not a dma-buf;
+ *   @dmabuf_offset or @size is not PAGE_SIZE aligned; @size is 0 or larger
+ *   than the GPU's BAR; @dmabuf_offset + @size is beyond the dma-buf; the
+ *   exporter's mapping contains an address outside the GPU's BAR or not page
+ *   aligned (a dma-buf of system RAM, such as a udmabuf, always is).
+ * - EOVERFLOW: @dmabuf_offset + @size overflows.
+ * - EBADF: @dmabuf_fd is not an open file descriptor.
+ * - EMFILE: the open file already holds max_buffers_per_file registrations.
+ * - ENOSPC: the GPU already has max_bytes_per_gpu bytes registered.
+ * - ENODEV: the GPU was removed, or has no driver bound.
+ * - EOPNOTSUPP: fgds cannot make struct pages for this GPU safely (GENERIC
+ *   mode under a translating IOMMU, or an architecture without ZONE_DEVICE
+ *   support); the kernel log says why and what to change.
+ * - EBUSY: the BAR's memory type cannot be settled as write-combined or
+ *   uncached (see the kernel log).
+ * - ENOMEM: out of memory.
+ * - EINTR or ERESTARTSYS semantics: a signal arrived while waiting for the
+ *   dma-buf's reservation lock or fences; the call can be repeated.
+ * - Any error the exporter returns from attach, pin or map (for example
+ *   EOPNOTSUPP when it refuses peer-to-peer importers).
+ */
+struct fgds_ioctl_reg_buffer {
+	__s32 dmabuf_fd;
+	__u32 flags;
+	__u64 dmabuf_offset;
+	__u64 size;
+	__u64 idx;
+};
+
+/**
+ * struct fgds_ioctl_unreg_buffer - argument of FGDS_IOCTL_UNREG_BUFFER
+ * @idx: in: token returned by FGDS_IOCTL_REG_BUFFER on the same open file.
+ *
+ * Removes the token. Mappings made from it stay valid until munmap(2); the
+ * buffer is released with the last of them.
+ *
+ * Errors:
+ *
+ * - EFAULT: the argument cannot be read.
+ * - EINVAL: @idx is not PAGE_SIZE aligned.
+ * - ENOENT: no registration with this token on this open file.
+ */
+struct fgds_ioctl_unreg_buffer {
+	__u64 idx;
+};
+
+#define FGDS_IOCTL_MAGIC	0x88
+#define FGDS_IOCTL_REG_BUFFER	_IOWR(FGDS_IOCTL_MAGIC, 0x01, struct fgds_ioctl_reg_buffer)
+#define FGDS_IOCTL_UNREG_BUFFER	_IOW(FGDS_IOCTL_MAGIC, 0x02, struct fgds_ioctl_unreg_buffer)
+
+/*
+ * mmap(2) of a token: offset = idx, length = the registered size exactly,
+ * MAP_SHARED only, PROT_READ and/or PROT_WRITE. The CPU mapping is
+ * write-combined. Errors:
+ *
+ * - EINVAL: not MAP_SHARED, or the length differs from the registered size.
+ * - ENOENT: the offset is not a token of this open file.
+ * - ENODEV: the registration was revoked, or the GPU was removed.
+ *
+ * Other ioctl numbers fail with ENOTTY.
+ */
+
+#endif /* _UAPI_LINUX_FGDS_H */
