@@ -9,6 +9,7 @@ mod driver;
 mod guest;
 mod host;
 mod report;
+mod selftest;
 mod vm;
 
 use std::path::PathBuf;
@@ -28,6 +29,8 @@ enum Command {
     TestVm(vm::Options),
     /// What CI runs: fmt, clippy, host tests, driver checks, then test-vm on the CI kernels.
     Ci(ci::Options),
+    /// Check the rig's own verdicts: programs that pass, fail, skip and panic the kernel.
+    RigSelftest(selftest::Options),
 }
 
 fn main() -> std::process::ExitCode {
@@ -35,6 +38,7 @@ fn main() -> std::process::ExitCode {
     let res = match cli.command {
         Command::TestVm(opts) => vm::test_vm(&opts),
         Command::Ci(opts) => ci::ci(&opts),
+        Command::RigSelftest(opts) => selftest::rig_selftest(&opts),
     };
     match res {
         Ok(code) => code,

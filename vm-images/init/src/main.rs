@@ -287,14 +287,15 @@ fn forward_lines(stream: impl std::io::Read, is_stdout: bool, tx: mpsc::Sender<(
 
 /// Writes a marker into the kernel log, so the host can tell which test a splat belongs to.
 fn kmsg(msg: &str) {
+    // One write(2) is one kernel log record.
     if let Ok(mut kmsg) = OpenOptions::new().write(true).open("/dev/kmsg") {
-        let _ = writeln!(kmsg, "fgds-rig: {msg}");
+        let _ = kmsg.write_all(format!("fgds-rig: {msg}\n").as_bytes());
     }
 }
 
 fn console(msg: &str) {
     if let Ok(mut console) = OpenOptions::new().write(true).custom_flags(libc::O_NOCTTY).open("/dev/console") {
-        let _ = writeln!(console, "{msg}");
+        let _ = console.write_all(format!("{msg}\n").as_bytes());
     }
 }
 
