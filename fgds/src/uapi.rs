@@ -1,0 +1,31 @@
+//! The driver's UAPI, `driver/include/uapi/linux/fgds.h`, mirrored field for field.
+//!
+//! `tests/uapi_layout.rs` compiles a C program against the header and fails if the sizes,
+//! offsets or ioctl numbers here differ from it.
+
+use rustix::ioctl::{Opcode, opcode};
+
+/// `struct fgds_ioctl_reg_buffer`.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RegBuffer {
+    pub dmabuf_fd: i32,
+    pub flags: u32,
+    pub dmabuf_offset: u64,
+    pub size: u64,
+    pub idx: u64,
+}
+
+/// `struct fgds_ioctl_unreg_buffer`.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct UnregBuffer {
+    pub idx: u64,
+}
+
+/// `FGDS_IOCTL_MAGIC`.
+pub const MAGIC: u8 = 0x88;
+/// `FGDS_IOCTL_REG_BUFFER`.
+pub const REG_BUFFER: Opcode = opcode::read_write::<RegBuffer>(MAGIC, 0x01);
+/// `FGDS_IOCTL_UNREG_BUFFER`.
+pub const UNREG_BUFFER: Opcode = opcode::write::<UnregBuffer>(MAGIC, 0x02);

@@ -1,0 +1,79 @@
+//! The crate's UAPI mirror must match the C header byte for byte: this compiles a C program
+//! against driver/include/uapi/linux/fgds.h and compares sizes, offsets and ioctl numbers.
+
+use std::mem::{offset_of, size_of};
+use std::path::Path;
+use std::process::Command;
+
+use fgds::uapi::{self, RegBuffer, UnregBuffer};
+
+const PROBE: &str = r#"
+#include <stdio.h>
+#include <stddef.h>
+#include <linux/fgds.h>
+int main(void)
+{
+	printf("reg_size %zu\n", sizeof(struct fgds_ioctl_reg_buffer));
+	printf("reg_dmabuf_fd %zu\n", offsetof(struct fgds_ioctl_reg_buffer, dmabuf_fd));
+	printf("reg_flags %zu\n", offsetof(struct fgds_ioctl_reg_buffer, flags));
+	printf("reg_dmabuf_offset %zu\n", offsetof(struct fgds_ioctl_reg_buffer, dmabuf_offset));
+	printf("reg_size_field %zu\n", offsetof(struct fgds_ioctl_reg_buffer, size));
+	printf("reg_idx %zu\n", offsetof(struct fgds_ioctl_reg_buffer, idx));
+	printf("unreg_size %zu\n", sizeof(struct fgds_ioctl_unreg_buffer));
+	printf("unreg_idx %zu\n", offsetof(struct fgds_ioctl_unreg_buffer, idx));
+	printf("magic %u\n", (unsigned)FGDS_IOCTL_MAGIC);
+	printf("reg_ioctl %lu\n", (unsigned long)FGDS_IOCTL_REG_BUFFER);
+	printf("unreg_ioctl %lu\n", (unsigned long)FGDS_IOCTL_UNREG_BUFFER);
+	return 0;
+}
+"#;
+
+fn c_values() -> Vec<(String, u64)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let out_dir = root.join("target/uapi-layout");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let src = out_dir.join("probe.c");
+    let exe = out_dir.join("probe");
+    std::fs::write(&src, PROBE).unwrap();
+    let status = Command::new("cc")
+        .arg("-I")
+        .arg(root.join("driver/include/uapi"))
+        .arg(&src)
+        .arg("-o")
+        .arg(&exe)
+        .status()
+        .expect("cannot run cc: install gcc to check the UAPI layout");
+    assert!(status.success(), "the probe did not compile against driver/include/uapi/linux/fgds.h");
+    let out = Command::new(&exe).output().unwrap();
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let (k, v) = l.split_once(' ').unwrap();
+            (k.to_owned(), v.parse().unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn rust_mirror_matches_the_c_header() {
+    let rust = [
+        ("reg_size", size_of::<RegBuffer>() as u64),
+        ("reg_dmabuf_fd", offset_of!(RegBuffer, dmabuf_fd) as u64),
+        ("reg_flags", offset_of!(RegBuffer, flags) as u64),
+        ("reg_dmabuf_offset", offset_of!(RegBuffer, dmabuf_offset) as u64),
+        ("reg_size_field", offset_of!(RegBuffer, size) as u64),
+        ("reg_idx", offset_of!(RegBuffer, idx) as u64),
+        ("unreg_size", size_of::<UnregBuffer>() as u64),
+        ("unreg_idx", offset_of!(UnregBuffer, idx) as u64),
+        ("magic", u64::from(uapi::MAGIC)),
+        ("reg_ioctl", uapi::REG_BUFFER as u64),
+        ("unreg_ioctl", uapi::UNREG_BUFFER as u64),
+    ];
+    let c = c_values();
+    assert_eq!(c.len(), rust.len(), "the probe printed {c:?}");
+    for ((c_name, c_value), (r_name, r_value)) in c.iter().zip(rust) {
+        assert_eq!(c_name, r_name);
+        assert_eq!(*c_value, r_value, "{c_name}: the C header says {c_value}, the crate says {r_value}");
+    }
+}
