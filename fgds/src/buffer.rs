@@ -35,7 +35,9 @@ unsafe impl Sync for Buffer {}
 
 impl Buffer {
     pub(crate) fn map(node: Arc<File>, idx: u64, len: u64) -> Result<Buffer> {
-        let len_usize = usize::try_from(len).map_err(|_| Error::Invalid(format!("length {len:#x} does not fit the address space")))?;
+        let len_usize = usize::try_from(len).map_err(|_| {
+            Error::Invalid(format!("length {len:#x} does not fit the address space"))
+        })?;
         // SAFETY: a new shared mapping at an address the kernel chooses aliases no Rust object;
         // it is only ever used as a raw DMA address.
         let mapped = unsafe {
@@ -49,7 +51,12 @@ impl Buffer {
             )
         };
         match mapped {
-            Ok(ptr) => Ok(Buffer { node, idx, ptr: NonNull::new(ptr.cast()).expect("mmap returned NULL"), len: len_usize }),
+            Ok(ptr) => Ok(Buffer {
+                node,
+                idx,
+                ptr: NonNull::new(ptr.cast()).expect("mmap returned NULL"),
+                len: len_usize,
+            }),
             Err(errno) => {
                 unregister(&node, idx);
                 Err(Error::Map { errno })
@@ -117,7 +124,9 @@ impl Buffer {
         let len = range.len();
         let mut done = 0;
         while done < len {
-            let off = i64::try_from(file_offset + done as u64).map_err(|_| Error::Invalid(format!("file offset {file_offset:#x} is too large")))?;
+            let off = i64::try_from(file_offset + done as u64).map_err(|_| {
+                Error::Invalid(format!("file offset {file_offset:#x} is too large"))
+            })?;
             // SAFETY: `range` is inside the mapping (checked above) and `done < len`.
             let ptr = unsafe { self.as_ptr().add(range.start + done) };
             let n = call(file.as_raw_fd(), ptr, len - done, off);
@@ -126,10 +135,19 @@ impl Buffer {
                 if source.kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
-                return Err(Error::Io { op, done: done as u64, len: len as u64, source });
+                return Err(Error::Io {
+                    op,
+                    done: done as u64,
+                    len: len as u64,
+                    source,
+                });
             }
             if n == 0 {
-                return Err(Error::ShortTransfer { op, done: done as u64, len: len as u64 });
+                return Err(Error::ShortTransfer {
+                    op,
+                    done: done as u64,
+                    len: len as u64,
+                });
             }
             done += n as usize;
         }
@@ -148,7 +166,12 @@ impl Drop for Buffer {
 fn unregister(node: &File, idx: u64) {
     let arg = uapi::UnregBuffer { idx };
     // SAFETY: `UnregBuffer` is `struct fgds_ioctl_unreg_buffer`; the kernel only reads it.
-    let _ = unsafe { rustix::ioctl::ioctl(node.as_fd(), rustix::ioctl::Setter::<{ uapi::UNREG_BUFFER }, _>::new(arg)) };
+    let _ = unsafe {
+        rustix::ioctl::ioctl(
+            node.as_fd(),
+            rustix::ioctl::Setter::<{ uapi::UNREG_BUFFER }, _>::new(arg),
+        )
+    };
 }
 
 /// Opens `path` with `O_DIRECT`, read-only or read-write.
@@ -158,13 +181,18 @@ pub fn open_direct(path: &Path, write: bool) -> Result<File> {
         .write(write)
         .custom_flags(libc::O_DIRECT)
         .open(path)
-        .map_err(|source| Error::Open { path: path.to_path_buf(), source })
+        .map_err(|source| Error::Open {
+            path: path.to_path_buf(),
+            source,
+        })
 }
 
 /// The direct-I/O alignment of `file`: its logical block size for a block device, else what
 /// statx reports (`STATX_DIOALIGN`), else 512.
 pub fn dio_alignment(file: &File) -> u64 {
-    let is_block = file.metadata().is_ok_and(|m| m.file_type().is_block_device());
+    let is_block = file
+        .metadata()
+        .is_ok_and(|m| m.file_type().is_block_device());
     if is_block {
         let mut size: libc::c_int = 0;
         // SAFETY: BLKSSZGET writes one int through the pointer, which is valid.
@@ -172,16 +200,30 @@ pub fn dio_alignment(file: &File) -> u64 {
             return size as u64;
         }
     }
-    match rustix::fs::statx(file.as_fd(), "", rustix::fs::AtFlags::EMPTY_PATH, rustix::fs::StatxFlags::DIOALIGN) {
-        Ok(stx) if stx.stx_dio_offset_align > 0 => u64::from(stx.stx_dio_offset_align.max(stx.stx_dio_mem_align)),
+    match rustix::fs::statx(
+        file.as_fd(),
+        "",
+        rustix::fs::AtFlags::EMPTY_PATH,
+        rustix::fs::StatxFlags::DIOALIGN,
+    ) {
+        Ok(stx) if stx.stx_dio_offset_align > 0 => {
+            u64::from(stx.stx_dio_offset_align.max(stx.stx_dio_mem_align))
+        }
         _ => 512,
     }
 }
 
 /// Refuses, before the system call, I/O that O_DIRECT would refuse or silently not do.
-pub(crate) fn check_direct_io(file: &File, file_offset: u64, range: &Range<usize>, buffer_len: usize) -> Result<()> {
+pub(crate) fn check_direct_io(
+    file: &File,
+    file_offset: u64,
+    range: &Range<usize>,
+    buffer_len: usize,
+) -> Result<()> {
     if range.start > range.end || range.end > buffer_len {
-        return Err(Error::Invalid(format!("range {range:?} is outside the {buffer_len}-byte buffer")));
+        return Err(Error::Invalid(format!(
+            "range {range:?} is outside the {buffer_len}-byte buffer"
+        )));
     }
     let flags = rustix::fs::fcntl_getfl(file.as_fd()).map_err(|errno| Error::Io {
         op: "fcntl",
@@ -195,9 +237,15 @@ pub(crate) fn check_direct_io(file: &File, file_offset: u64, range: &Range<usize
         ));
     }
     let align = dio_alignment(file);
-    for (what, value) in [("file offset", file_offset), ("buffer offset", range.start as u64), ("length", range.len() as u64)] {
+    for (what, value) in [
+        ("file offset", file_offset),
+        ("buffer offset", range.start as u64),
+        ("length", range.len() as u64),
+    ] {
         if value % align != 0 {
-            return Err(Error::Invalid(format!("{what} {value:#x} is not a multiple of the file's O_DIRECT alignment ({align} bytes)")));
+            return Err(Error::Invalid(format!(
+                "{what} {value:#x} is not a multiple of the file's O_DIRECT alignment ({align} bytes)"
+            )));
         }
     }
     Ok(())

@@ -6,14 +6,22 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// No fgds node for this PCI address.
-    #[error("no fgds device for GPU {bdf}: is the fgds module loaded and the GPU listed in its devices= parameter?")]
+    #[error(
+        "no fgds device for GPU {bdf}: is the fgds module loaded and the GPU listed in its devices= parameter?"
+    )]
     NoSuchGpu { bdf: String },
     /// The node exists but cannot be opened.
     #[error("cannot open {}: {source}", path.display())]
-    Open { path: PathBuf, source: std::io::Error },
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// Reading fgds's sysfs failed.
     #[error("cannot read {}: {source}", path.display())]
-    Sysfs { path: PathBuf, source: std::io::Error },
+    Sysfs {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// FGDS_IOCTL_REG_BUFFER failed; the kernel log has the driver's reason.
     #[error("registering the dma-buf failed: {errno}{hint}", hint = reg_hint(*.errno))]
     Register { errno: rustix::io::Errno },
@@ -25,10 +33,19 @@ pub enum Error {
     Invalid(String),
     /// An I/O system call failed.
     #[error("{op} failed after {done} of {len} bytes: {source}")]
-    Io { op: &'static str, done: u64, len: u64, source: std::io::Error },
+    Io {
+        op: &'static str,
+        done: u64,
+        len: u64,
+        source: std::io::Error,
+    },
     /// The file ended before the requested range did.
     #[error("{op} stopped at end of file after {done} of {len} bytes")]
-    ShortTransfer { op: &'static str, done: u64, len: u64 },
+    ShortTransfer {
+        op: &'static str,
+        done: u64,
+        len: u64,
+    },
 }
 
 impl Error {
@@ -45,10 +62,18 @@ impl Error {
 fn reg_hint(errno: rustix::io::Errno) -> &'static str {
     use rustix::io::Errno;
     match errno {
-        Errno::INVAL => " (offset and size must be page aligned and inside the dma-buf, and the dma-buf must be GPU memory of this GPU; see the kernel log)",
-        Errno::MFILE => " (too many registrations on this open file: unregister some, or raise fgds's max_buffers_per_file)",
-        Errno::NOSPC => " (the GPU's registered-bytes limit is reached: unregister some, or raise fgds's max_bytes_per_gpu)",
-        Errno::OPNOTSUPP => " (fgds cannot map this GPU's memory safely here; the kernel log says why)",
+        Errno::INVAL => {
+            " (offset and size must be page aligned and inside the dma-buf, and the dma-buf must be GPU memory of this GPU; see the kernel log)"
+        }
+        Errno::MFILE => {
+            " (too many registrations on this open file: unregister some, or raise fgds's max_buffers_per_file)"
+        }
+        Errno::NOSPC => {
+            " (the GPU's registered-bytes limit is reached: unregister some, or raise fgds's max_bytes_per_gpu)"
+        }
+        Errno::OPNOTSUPP => {
+            " (fgds cannot map this GPU's memory safely here; the kernel log says why)"
+        }
         Errno::NODEV => " (the GPU is gone or has no driver)",
         _ => "",
     }

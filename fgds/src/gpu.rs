@@ -61,13 +61,21 @@ impl Gpu {
         let info = Gpu::list()?
             .into_iter()
             .find(|g| g.bdf == bdf)
-            .ok_or_else(|| Error::NoSuchGpu { bdf: bdf.to_owned() })?;
+            .ok_or_else(|| Error::NoSuchGpu {
+                bdf: bdf.to_owned(),
+            })?;
         let node = OpenOptions::new()
             .read(true)
             .write(true)
             .open(&info.node)
-            .map_err(|source| Error::Open { path: info.node.clone(), source })?;
-        Ok(Gpu { node: Arc::new(node), info })
+            .map_err(|source| Error::Open {
+                path: info.node.clone(),
+                source,
+            })?;
+        Ok(Gpu {
+            node: Arc::new(node),
+            info,
+        })
     }
 
     /// What sysfs said of this GPU when it was opened.
@@ -96,7 +104,13 @@ impl Gpu {
                 "dma-buf offset {offset:#x} and length {len:#x} must be non-zero multiples of the page size ({page:#x})"
             )));
         }
-        let mut arg = uapi::RegBuffer { dmabuf_fd: dmabuf.as_raw_fd(), flags: 0, dmabuf_offset: offset, size: len, idx: 0 };
+        let mut arg = uapi::RegBuffer {
+            dmabuf_fd: dmabuf.as_raw_fd(),
+            flags: 0,
+            dmabuf_offset: offset,
+            size: len,
+            idx: 0,
+        };
         // SAFETY: `RegBuffer` is `struct fgds_ioctl_reg_buffer` (checked by tests/uapi_layout.rs)
         // and the opcode encodes its size; the kernel writes only within it.
         unsafe {
@@ -114,16 +128,31 @@ fn list_in(class: &Path, dev: &Path) -> Result<Vec<GpuInfo>> {
     let entries = match std::fs::read_dir(class) {
         Ok(entries) => entries,
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(source) => return Err(Error::Sysfs { path: class.to_path_buf(), source }),
+        Err(source) => {
+            return Err(Error::Sysfs {
+                path: class.to_path_buf(),
+                source,
+            });
+        }
     };
     let mut gpus = Vec::new();
     for entry in entries {
-        let entry = entry.map_err(|source| Error::Sysfs { path: class.to_path_buf(), source })?;
+        let entry = entry.map_err(|source| Error::Sysfs {
+            path: class.to_path_buf(),
+            source,
+        })?;
         let dir = entry.path();
         let name = entry.file_name().to_string_lossy().into_owned();
-        let device = std::fs::canonicalize(dir.join("device")).map_err(|source| Error::Sysfs { path: dir.join("device"), source })?;
-        let bdf = device.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let iommu = std::fs::read_to_string(device.join("iommu_group/type")).map_or_else(|_| "none".to_owned(), |s| s.trim().to_owned());
+        let device = std::fs::canonicalize(dir.join("device")).map_err(|source| Error::Sysfs {
+            path: dir.join("device"),
+            source,
+        })?;
+        let bdf = device
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let iommu = std::fs::read_to_string(device.join("iommu_group/type"))
+            .map_or_else(|_| "none".to_owned(), |s| s.trim().to_owned());
         gpus.push(GpuInfo {
             node: dev.join(&name),
             bar_size: read_u64(&dir.join("bar_size"))?,
@@ -139,7 +168,12 @@ fn list_in(class: &Path, dev: &Path) -> Result<Vec<GpuInfo>> {
 }
 
 fn read_string(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map(|s| s.trim().to_owned()).map_err(|source| Error::Sysfs { path: path.to_path_buf(), source })
+    std::fs::read_to_string(path)
+        .map(|s| s.trim().to_owned())
+        .map_err(|source| Error::Sysfs {
+            path: path.to_path_buf(),
+            source,
+        })
 }
 
 fn read_u64(path: &Path) -> Result<u64> {
@@ -150,7 +184,10 @@ fn read_u64(path: &Path) -> Result<u64> {
     };
     parsed.map_err(|_| Error::Sysfs {
         path: path.to_path_buf(),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidData, format!("not a number: {text:?}")),
+        source: std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("not a number: {text:?}"),
+        ),
     })
 }
 
@@ -167,7 +204,12 @@ mod tests {
         std::fs::create_dir_all(&pci).unwrap();
         std::fs::create_dir_all(&node).unwrap();
         std::os::unix::fs::symlink(&pci, node.join("device")).unwrap();
-        for (attr, value) in [("bar_size", "268435456\n"), ("mode", "generic\n"), ("buffers", "2\n"), ("bytes", "0x200000\n")] {
+        for (attr, value) in [
+            ("bar_size", "268435456\n"),
+            ("mode", "generic\n"),
+            ("buffers", "2\n"),
+            ("bytes", "0x200000\n"),
+        ] {
             std::fs::write(node.join(attr), value).unwrap();
         }
         let gpus = list_in(&class, Path::new("/dev")).unwrap();
@@ -188,6 +230,9 @@ mod tests {
 
     #[test]
     fn no_class_directory_means_no_gpus() {
-        assert_eq!(list_in(Path::new("/nonexistent/fgds"), Path::new("/dev")).unwrap(), Vec::new());
+        assert_eq!(
+            list_in(Path::new("/nonexistent/fgds"), Path::new("/dev")).unwrap(),
+            Vec::new()
+        );
     }
 }

@@ -20,12 +20,15 @@
 //! ```
 
 mod buffer;
+mod cpu_mapping;
 mod error;
 mod gpu;
 mod transfer;
 pub mod uapi;
+pub mod vgpu;
 
 pub use buffer::{Buffer, dio_alignment, open_direct};
+pub use cpu_mapping::CpuMapping;
 pub use error::{Error, Result};
 pub use gpu::{Gpu, GpuInfo, SYSFS_CLASS};
 pub use transfer::{Direction, Transfer, TransferConfig};

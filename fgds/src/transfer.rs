@@ -21,7 +21,10 @@ pub struct TransferConfig {
 
 impl TransferConfig {
     /// 1 MiB sub-requests, 8 in flight.
-    pub const DEFAULT: TransferConfig = TransferConfig { chunk_size: 1 << 20, queue_depth: 8 };
+    pub const DEFAULT: TransferConfig = TransferConfig {
+        chunk_size: 1 << 20,
+        queue_depth: 8,
+    };
 }
 
 /// Direction of a transfer.
@@ -62,10 +65,17 @@ struct Chunk {
 impl Transfer {
     pub fn new(config: TransferConfig) -> Result<Transfer> {
         if config.chunk_size == 0 || config.queue_depth == 0 {
-            return Err(Error::Invalid(format!("chunk size and queue depth must be non-zero: {config:?}")));
+            return Err(Error::Invalid(format!(
+                "chunk size and queue depth must be non-zero: {config:?}"
+            )));
         }
-        let ring = IoUring::new(config.queue_depth.next_power_of_two())
-            .map_err(|source| Error::Io { op: "io_uring_setup", done: 0, len: 0, source })?;
+        let ring =
+            IoUring::new(config.queue_depth.next_power_of_two()).map_err(|source| Error::Io {
+                op: "io_uring_setup",
+                done: 0,
+                len: 0,
+                source,
+            })?;
         Ok(Transfer { ring, config })
     }
 
@@ -74,10 +84,20 @@ impl Transfer {
     /// On failure the error's [`Error::bytes_done`] is exact: every byte of the range before it
     /// arrived, and the sub-request at that point failed or came up short. Requests already in
     /// flight are always waited for before returning.
-    pub fn run(&mut self, dir: Direction, buffer: &Buffer, range: Range<usize>, file: &File, file_offset: u64) -> Result<usize> {
+    pub fn run(
+        &mut self,
+        dir: Direction,
+        buffer: &Buffer,
+        range: Range<usize>,
+        file: &File,
+        file_offset: u64,
+    ) -> Result<usize> {
         check_direct_io(file, file_offset, &range, buffer.len())?;
         if self.config.chunk_size as u64 % crate::buffer::dio_alignment(file) != 0 {
-            return Err(Error::Invalid(format!("chunk size {} is not a multiple of the file's O_DIRECT alignment", self.config.chunk_size)));
+            return Err(Error::Invalid(format!(
+                "chunk size {} is not a multiple of the file's O_DIRECT alignment",
+                self.config.chunk_size
+            )));
         }
         let op = match dir {
             Direction::Read => "io_uring read",
@@ -88,7 +108,11 @@ impl Transfer {
         let mut at = 0;
         while at < total {
             let len = self.config.chunk_size.min(total - at);
-            chunks.push(Chunk { start: at, len, done: 0 });
+            chunks.push(Chunk {
+                start: at,
+                len,
+                done: 0,
+            });
             at += len;
         }
         let mut next = 0;
@@ -97,7 +121,11 @@ impl Transfer {
         let mut failure: Option<(usize, std::io::Error)> = None;
         let mut short: Option<usize> = None;
         loop {
-            while failure.is_none() && short.is_none() && next < chunks.len() && in_flight < self.config.queue_depth as usize {
+            while failure.is_none()
+                && short.is_none()
+                && next < chunks.len()
+                && in_flight < self.config.queue_depth as usize
+            {
                 self.submit(dir, buffer, &range, file, file_offset, &chunks[next], next)?;
                 next += 1;
                 in_flight += 1;
@@ -105,10 +133,17 @@ impl Transfer {
             if in_flight == 0 {
                 break;
             }
-            self.ring
-                .submit_and_wait(1)
-                .map_err(|source| Error::Io { op, done: 0, len: total as u64, source })?;
-            let completions = self.ring.completion().map(|cqe| (cqe.user_data() as usize, cqe.result())).collect::<Vec<_>>();
+            self.ring.submit_and_wait(1).map_err(|source| Error::Io {
+                op,
+                done: 0,
+                len: total as u64,
+                source,
+            })?;
+            let completions = self
+                .ring
+                .completion()
+                .map(|cqe| (cqe.user_data() as usize, cqe.result()))
+                .collect::<Vec<_>>();
             for (index, res) in completions {
                 in_flight -= 1;
                 let chunk = &mut chunks[index];
@@ -124,21 +159,51 @@ impl Transfer {
                     short = Some(short.map_or(index, |s| s.min(index)));
                 } else if chunk.done < chunk.len && failure.is_none() {
                     // A partial completion: ask for the rest.
-                    self.submit(dir, buffer, &range, file, file_offset, &chunks[index], index)?;
+                    self.submit(
+                        dir,
+                        buffer,
+                        &range,
+                        file,
+                        file_offset,
+                        &chunks[index],
+                        index,
+                    )?;
                     in_flight += 1;
                 }
             }
         }
-        let done = chunks.iter().take_while(|c| c.done == c.len).map(|c| c.len).sum::<usize>();
+        let done = chunks
+            .iter()
+            .take_while(|c| c.done == c.len)
+            .map(|c| c.len)
+            .sum::<usize>();
         let first_bad = chunks.iter().position(|c| c.done < c.len);
         match (first_bad, failure) {
             (None, _) => Ok(done),
-            (Some(bad), Some((index, source))) if index == bad => Err(Error::Io { op, done: done as u64, len: total as u64, source }),
-            (Some(_), _) => Err(Error::ShortTransfer { op, done: done as u64, len: total as u64 }),
+            (Some(bad), Some((index, source))) if index == bad => Err(Error::Io {
+                op,
+                done: done as u64,
+                len: total as u64,
+                source,
+            }),
+            (Some(_), _) => Err(Error::ShortTransfer {
+                op,
+                done: done as u64,
+                len: total as u64,
+            }),
         }
     }
 
-    fn submit(&mut self, dir: Direction, buffer: &Buffer, range: &Range<usize>, file: &File, file_offset: u64, chunk: &Chunk, index: usize) -> Result<()> {
+    fn submit(
+        &mut self,
+        dir: Direction,
+        buffer: &Buffer,
+        range: &Range<usize>,
+        file: &File,
+        file_offset: u64,
+        chunk: &Chunk,
+        index: usize,
+    ) -> Result<()> {
         let offset = range.start + chunk.start + chunk.done;
         // SAFETY: `offset + (len - done)` stays inside `range`, which is inside the buffer.
         let ptr = unsafe { buffer.as_ptr().add(offset) };
@@ -152,7 +217,8 @@ impl Transfer {
         .user_data(index as u64);
         // SAFETY: the buffer and file outlive the request: `run` waits for every completion
         // before returning, also on errors.
-        unsafe { self.ring.submission().push(&sqe) }.map_err(|_| Error::Invalid("io_uring submission queue is full".to_owned()))?;
+        unsafe { self.ring.submission().push(&sqe) }
+            .map_err(|_| Error::Invalid("io_uring submission queue is full".to_owned()))?;
         Ok(())
     }
 }

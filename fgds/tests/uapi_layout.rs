@@ -43,7 +43,10 @@ fn c_values() -> Vec<(String, u64)> {
         .arg(&exe)
         .status()
         .expect("cannot run cc: install gcc to check the UAPI layout");
-    assert!(status.success(), "the probe did not compile against driver/include/uapi/linux/fgds.h");
+    assert!(
+        status.success(),
+        "the probe did not compile against driver/include/uapi/linux/fgds.h"
+    );
     let out = Command::new(&exe).output().unwrap();
     String::from_utf8(out.stdout)
         .unwrap()
@@ -61,7 +64,10 @@ fn rust_mirror_matches_the_c_header() {
         ("reg_size", size_of::<RegBuffer>() as u64),
         ("reg_dmabuf_fd", offset_of!(RegBuffer, dmabuf_fd) as u64),
         ("reg_flags", offset_of!(RegBuffer, flags) as u64),
-        ("reg_dmabuf_offset", offset_of!(RegBuffer, dmabuf_offset) as u64),
+        (
+            "reg_dmabuf_offset",
+            offset_of!(RegBuffer, dmabuf_offset) as u64,
+        ),
         ("reg_size_field", offset_of!(RegBuffer, size) as u64),
         ("reg_idx", offset_of!(RegBuffer, idx) as u64),
         ("unreg_size", size_of::<UnregBuffer>() as u64),
@@ -74,6 +80,9 @@ fn rust_mirror_matches_the_c_header() {
     assert_eq!(c.len(), rust.len(), "the probe printed {c:?}");
     for ((c_name, c_value), (r_name, r_value)) in c.iter().zip(rust) {
         assert_eq!(c_name, r_name);
-        assert_eq!(*c_value, r_value, "{c_name}: the C header says {c_value}, the crate says {r_value}");
+        assert_eq!(
+            *c_value, r_value,
+            "{c_name}: the C header says {c_value}, the crate says {r_value}"
+        );
     }
 }

@@ -28,7 +28,10 @@ pub fn word(seed: u64, offset: u64) -> u64 {
 ///
 /// `offset` and `buf.len()` must be multiples of 8.
 pub fn fill(seed: u64, offset: u64, buf: &mut [u8]) {
-    assert!(offset % 8 == 0 && buf.len() % 8 == 0, "pattern offset and length must be multiples of 8");
+    assert!(
+        offset % 8 == 0 && buf.len() % 8 == 0,
+        "pattern offset and length must be multiples of 8"
+    );
     for (i, chunk) in buf.chunks_exact_mut(8).enumerate() {
         chunk.copy_from_slice(&word(seed, offset + 8 * i as u64).to_le_bytes());
     }
@@ -36,10 +39,17 @@ pub fn fill(seed: u64, offset: u64, buf: &mut [u8]) {
 
 /// Returns the byte offset (relative to `buf`) of the first byte that differs from the pattern.
 pub fn first_mismatch(seed: u64, offset: u64, buf: &[u8]) -> Option<usize> {
-    assert!(offset % 8 == 0 && buf.len() % 8 == 0, "pattern offset and length must be multiples of 8");
+    assert!(
+        offset % 8 == 0 && buf.len() % 8 == 0,
+        "pattern offset and length must be multiples of 8"
+    );
     buf.chunks_exact(8).enumerate().find_map(|(i, chunk)| {
         let expected = word(seed, offset + 8 * i as u64).to_le_bytes();
-        chunk.iter().zip(expected).position(|(a, b)| *a != b).map(|p| 8 * i + p)
+        chunk
+            .iter()
+            .zip(expected)
+            .position(|(a, b)| *a != b)
+            .map(|p| 8 * i + p)
     })
 }
 
@@ -61,7 +71,9 @@ mod tests {
     #[test]
     fn words_do_not_repeat_across_blocks() {
         let a = (0..512).map(|i| word(NVME_SEED, i * 8)).collect::<Vec<_>>();
-        let b = (0..512).map(|i| word(NVME_SEED, 4096 + i * 8)).collect::<Vec<_>>();
+        let b = (0..512)
+            .map(|i| word(NVME_SEED, 4096 + i * 8))
+            .collect::<Vec<_>>();
         assert_ne!(a, b);
     }
 }

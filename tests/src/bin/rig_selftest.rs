@@ -13,7 +13,10 @@ fn main() {
         .nth(1)
         .or_else(|| {
             let exe = std::env::args().next()?;
-            let name = std::path::Path::new(&exe).file_name()?.to_string_lossy().into_owned();
+            let name = std::path::Path::new(&exe)
+                .file_name()?
+                .to_string_lossy()
+                .into_owned();
             name.strip_prefix("rig_selftest_").map(str::to_owned)
         })
         .unwrap_or_default();
@@ -25,7 +28,10 @@ fn main() {
         "fail" => std::process::exit(1),
         "skip" => std::process::exit(4),
         "panic" => {
-            let mut trigger = std::fs::OpenOptions::new().write(true).open("/proc/sysrq-trigger").expect("open sysrq-trigger");
+            let mut trigger = std::fs::OpenOptions::new()
+                .write(true)
+                .open("/proc/sysrq-trigger")
+                .expect("open sysrq-trigger");
             let _ = trigger.write_all(b"c");
             std::process::exit(2)
         }

@@ -6,22 +6,37 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
 use anyhow::{Context, bail, ensure};
-use fgds_tests::guest::{self, AlignedBuf, vgpu};
+use std::os::fd::AsFd;
+
+use fgds::vgpu;
+use fgds_tests::guest::{self, AlignedBuf};
 use fgds_tests::ktap::{self, Case, CaseResult};
 use fgds_tests::pattern;
 
 fn main() {
     ktap::run(&[
-        Case { name: "nvme_pattern_pread", run: nvme_pattern_pread },
-        Case { name: "nvme_pattern_io_uring", run: nvme_pattern_io_uring },
-        Case { name: "vgpu_mmap_reaches_backing_file", run: vgpu_mmap_reaches_backing_file },
+        Case {
+            name: "nvme_pattern_pread",
+            run: nvme_pattern_pread,
+        },
+        Case {
+            name: "nvme_pattern_io_uring",
+            run: nvme_pattern_io_uring,
+        },
+        Case {
+            name: "vgpu_mmap_reaches_backing_file",
+            run: vgpu_mmap_reaches_backing_file,
+        },
     ])
 }
 
 fn check_pattern(offset: u64, buf: &[u8]) -> anyhow::Result<()> {
     match pattern::first_mismatch(pattern::NVME_SEED, offset, buf) {
         None => Ok(()),
-        Some(at) => bail!("NVMe data differs from the pattern at byte {}", offset + at as u64),
+        Some(at) => bail!(
+            "NVMe data differs from the pattern at byte {}",
+            offset + at as u64
+        ),
     }
 }
 
@@ -29,8 +44,13 @@ fn nvme_pattern_pread() -> CaseResult {
     let nvme = guest::open_direct(&guest::nvme_path()?, false)?;
     let mut buf = AlignedBuf::new(4 << 20)?;
     for offset in [0, 4096, 17 << 20, pattern::NVME_PATTERN_BYTES - (4 << 20)] {
-        let n = nvme.read_at(buf.as_mut_slice(), offset).with_context(|| format!("pread at {offset}"))?;
-        ensure!(n == buf.as_slice().len(), "short pread at {offset}: {n} bytes");
+        let n = nvme
+            .read_at(buf.as_mut_slice(), offset)
+            .with_context(|| format!("pread at {offset}"))?;
+        ensure!(
+            n == buf.as_slice().len(),
+            "short pread at {offset}: {n} bytes"
+        );
         check_pattern(offset, buf.as_slice())?;
     }
     ktap::pass()
@@ -41,20 +61,33 @@ fn nvme_pattern_io_uring() -> CaseResult {
     const DEPTH: usize = 8;
     let nvme = guest::open_direct(&guest::nvme_path()?, false)?;
     let mut ring = io_uring::IoUring::new(DEPTH as u32).context("io_uring_setup")?;
-    let mut bufs = (0..DEPTH).map(|_| AlignedBuf::new(CHUNK)).collect::<anyhow::Result<Vec<_>>>()?;
+    let mut bufs = (0..DEPTH)
+        .map(|_| AlignedBuf::new(CHUNK))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let base = 8u64 << 20;
     for (i, buf) in bufs.iter_mut().enumerate() {
         let slice = buf.as_mut_slice();
-        let sqe = io_uring::opcode::Read::new(io_uring::types::Fd(nvme.as_raw_fd()), slice.as_mut_ptr(), CHUNK as u32)
-            .offset(base + (i * CHUNK) as u64)
-            .build()
-            .user_data(i as u64);
+        let sqe = io_uring::opcode::Read::new(
+            io_uring::types::Fd(nvme.as_raw_fd()),
+            slice.as_mut_ptr(),
+            CHUNK as u32,
+        )
+        .offset(base + (i * CHUNK) as u64)
+        .build()
+        .user_data(i as u64);
         // SAFETY: the buffer outlives the request: we wait for every completion below.
         unsafe { ring.submission().push(&sqe) }.context("submission queue full")?;
     }
     ring.submit_and_wait(DEPTH).context("io_uring_enter")?;
-    let completions = ring.completion().map(|cqe| (cqe.user_data(), cqe.result())).collect::<Vec<_>>();
-    ensure!(completions.len() == DEPTH, "{} of {DEPTH} completions", completions.len());
+    let completions = ring
+        .completion()
+        .map(|cqe| (cqe.user_data(), cqe.result()))
+        .collect::<Vec<_>>();
+    ensure!(
+        completions.len() == DEPTH,
+        "{} of {DEPTH} completions",
+        completions.len()
+    );
     for (i, res) in completions {
         ensure!(res == CHUNK as i32, "request {i} returned {res}");
         check_pattern(base + i * CHUNK as u64, bufs[i as usize].as_slice())?;
@@ -65,9 +98,9 @@ fn nvme_pattern_io_uring() -> CaseResult {
 fn vgpu_mmap_reaches_backing_file() -> CaseResult {
     const LEN: usize = 2 << 20;
     const SEED: u64 = 0x5eed_0001;
-    let dev = vgpu::open_first()?;
+    let dev = vgpu::open(0)?;
     let (dmabuf, bar_offset) = vgpu::alloc(&dev, LEN as u64)?;
-    let map = vgpu::Mapping::new(&dmabuf, LEN)?;
+    let map = fgds::CpuMapping::new(dmabuf.as_fd(), LEN)?;
     let mut data = vec![0u8; LEN];
     pattern::fill(SEED, 0, &mut data);
     map.write(0, &data);
