@@ -1,0 +1,377 @@
+//! `fgds bench`, in the manner of NVIDIA's gdsio: one workload (direction, block size, queue
+//! depth, threads, bytes) through each mode, with throughput, latency and the whole machine's
+//! CPU time per GiB, and each mode's throughput as a ratio of `ram` from the same run.
+//!
+//! Modes:
+//! - `ram`: into (or out of) a RAM buffer: the drive's ceiling;
+//! - `direct`: into a GPU buffer registered with fgds;
+//! - `bounce`: into RAM, then a CPU copy into the GPU through the exporter's own mapping;
+//! - `p2pmem`: into upstream P2PDMA memory, `/sys/bus/pci/devices/<bdf>/p2pmem/allocate`.
+
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use fgds::{CpuMapping, Gpu};
+use io_uring::{IoUring, opcode, types};
+
+use crate::Source;
+
+#[derive(clap::Args)]
+pub struct Options {
+    /// The file or block device to read or write (O_DIRECT); defaults to $FGDS_NVME.
+    #[arg(long)]
+    file: Option<PathBuf>,
+    #[command(flatten)]
+    source: Source,
+    /// Modes to run, in order (repeatable): ram, direct, bounce, p2pmem, or all.
+    #[arg(long = "mode", default_values_t = ["all".to_owned()])]
+    modes: Vec<String>,
+    /// read (file to memory) or write (memory to file).
+    #[arg(long, default_value = "read")]
+    op: String,
+    /// Bytes per request.
+    #[arg(long, default_value_t = 1 << 20)]
+    block_size: usize,
+    /// Requests in flight per thread.
+    #[arg(long, default_value_t = 8)]
+    queue_depth: usize,
+    /// Threads, each with its own io_uring and its own part of the buffer.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Bytes to move per mode and repetition.
+    #[arg(long, default_value_t = 256 << 20)]
+    total: u64,
+    /// Where in the file the I/O starts.
+    #[arg(long, default_value_t = 0)]
+    file_offset: u64,
+    /// Bytes of the file the I/O cycles through, from --file-offset.
+    #[arg(long, default_value_t = 64 << 20)]
+    span: u64,
+    /// Repetitions of each mode; the median is reported with the spread.
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+    /// Print JSON (an array, one object per mode).
+    #[arg(long)]
+    json: bool,
+}
+
+const MODES: &[&str] = &["ram", "direct", "bounce", "p2pmem"];
+
+/// One repetition's figures.
+#[derive(Clone, Copy)]
+struct Sample {
+    secs: f64,
+    cpu_secs: f64,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+pub fn run(opts: &Options) -> anyhow::Result<()> {
+    let file_path = match &opts.file {
+        Some(path) => path.clone(),
+        None => PathBuf::from(std::env::var_os("FGDS_NVME").context("give --file (or set FGDS_NVME)")?),
+    };
+    let write = match opts.op.as_str() {
+        "read" => false,
+        "write" => true,
+        other => bail!("--op {other}: use read or write"),
+    };
+    let modes = if opts.modes.iter().any(|m| m == "all") {
+        MODES.iter().map(|m| (*m).to_owned()).collect()
+    } else {
+        opts.modes.clone()
+    };
+    if let Some(bad) = modes.iter().find(|m| !MODES.contains(&m.as_str())) {
+        bail!("unknown mode {bad}: use {}", MODES.join(", "));
+    }
+    if opts.block_size == 0 || opts.queue_depth == 0 || opts.threads == 0 || opts.repeat == 0 {
+        bail!("block size, queue depth, threads and repeat must be non-zero");
+    }
+    let file = fgds::open_direct(&file_path, write)?;
+    let region = opts.block_size * opts.queue_depth;
+    let buffer_len = region * opts.threads;
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned();
+
+    let mut rows = Vec::new();
+    let mut ram_mib_s = None;
+    for mode in &modes {
+        let target = match make_target(mode, opts, buffer_len) {
+            Ok(target) => target,
+            Err(reason) => {
+                eprintln!("bench: {mode}: skipped: {reason:#}");
+                rows.push(serde_json::json!({"kernel": kernel, "mode": mode, "op": opts.op, "skipped": format!("{reason:#}")}));
+                continue;
+            }
+        };
+        let mut samples = Vec::new();
+        for rep in 0..opts.repeat {
+            eprint!("\rbench: {mode} {} {} KiB qd {} x{}: repetition {}/{}   ", opts.op, opts.block_size >> 10, opts.queue_depth, opts.threads, rep + 1, opts.repeat);
+            samples.push(run_once(&target, &file, opts, write)?);
+        }
+        eprintln!();
+        let mut rates = samples.iter().map(|s| opts.total as f64 / (1 << 20) as f64 / s.secs).collect::<Vec<_>>();
+        rates.sort_by(f64::total_cmp);
+        let median = rates[rates.len() / 2];
+        let mid = samples[samples.len() / 2];
+        let gib = opts.total as f64 / (1u64 << 30) as f64;
+        let cpu_per_gib = samples.iter().map(|s| s.cpu_secs).sum::<f64>() / samples.len() as f64 / gib;
+        if mode == "ram" {
+            ram_mib_s = Some(median);
+        }
+        rows.push(serde_json::json!({
+            "kernel": kernel,
+            "mode": mode,
+            "op": opts.op,
+            "block_size": opts.block_size,
+            "queue_depth": opts.queue_depth,
+            "threads": opts.threads,
+            "total_bytes": opts.total,
+            "repetitions": opts.repeat,
+            "mib_s": median,
+            "mib_s_min": rates[0],
+            "mib_s_max": rates[rates.len() - 1],
+            "cpu_s_per_gib": cpu_per_gib,
+            "p50_us": mid.p50_us,
+            "p99_us": mid.p99_us,
+            "ratio_to_ram": ram_mib_s.map(|r| median / r),
+        }));
+    }
+    if opts.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    println!("{:<8} {:>10} {:>17} {:>10} {:>9} {:>9} {:>8}", "mode", "MiB/s", "spread", "CPU s/GiB", "p50 us", "p99 us", "x ram");
+    for row in &rows {
+        if let Some(reason) = row["skipped"].as_str() {
+            println!("{:<8} skipped: {reason}", row["mode"].as_str().unwrap_or(""));
+            continue;
+        }
+        let ratio = match (row["mib_s"].as_f64(), ram_mib_s) {
+            (Some(v), Some(r)) => format!("{:.2}", v / r),
+            _ => "-".to_owned(),
+        };
+        println!(
+            "{:<8} {:>10.1} {:>8.1}-{:<8.1} {:>10.3} {:>9.0} {:>9.0} {:>8}",
+            row["mode"].as_str().unwrap_or(""),
+            row["mib_s"].as_f64().unwrap_or(0.0),
+            row["mib_s_min"].as_f64().unwrap_or(0.0),
+            row["mib_s_max"].as_f64().unwrap_or(0.0),
+            row["cpu_s_per_gib"].as_f64().unwrap_or(0.0),
+            row["p50_us"].as_f64().unwrap_or(0.0),
+            row["p99_us"].as_f64().unwrap_or(0.0),
+            ratio
+        );
+    }
+    Ok(())
+}
+
+/// Memory a mode moves data into or out of; kept alive for the mode's repetitions.
+enum Target {
+    Ram(Anon),
+    Direct(fgds::Buffer),
+    Bounce { ram: Anon, gpu: CpuMapping, _dmabuf: crate::Dmabuf },
+    P2pmem(Anon),
+}
+
+impl Target {
+    /// Where the I/O goes.
+    fn io_ptr(&self) -> *mut u8 {
+        match self {
+            Target::Ram(a) | Target::P2pmem(a) | Target::Bounce { ram: a, .. } => a.ptr,
+            Target::Direct(b) => b.as_ptr(),
+        }
+    }
+}
+
+/// An mmap'd region (anonymous RAM, or the p2pmem allocator's).
+struct Anon {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a plain address range; threads use disjoint parts of it.
+unsafe impl Sync for Anon {}
+
+impl Drop for Anon {
+    fn drop(&mut self) {
+        // SAFETY: exactly the mapping this value was made from.
+        let _ = unsafe { rustix::mm::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+fn anon(len: usize) -> anyhow::Result<Anon> {
+    // SAFETY: a new private anonymous mapping aliases nothing.
+    let ptr = unsafe {
+        rustix::mm::mmap_anonymous(std::ptr::null_mut(), len, rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE, rustix::mm::MapFlags::PRIVATE)
+    }?;
+    // Touch it so that page faults are not part of the measurement.
+    // SAFETY: the mapping is `len` bytes and writable.
+    unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
+    Ok(Anon { ptr: ptr.cast(), len })
+}
+
+fn make_target(mode: &str, opts: &Options, len: usize) -> anyhow::Result<Target> {
+    match mode {
+        "ram" => Ok(Target::Ram(anon(len)?)),
+        "direct" => {
+            let (gpu, dmabuf) = crate::resolve(&opts.source, len as u64)?;
+            Ok(Target::Direct(gpu.register(dmabuf.fd(), 0, len as u64)?))
+        }
+        "bounce" => {
+            let (_, dmabuf) = crate::resolve(&opts.source, len as u64)?;
+            let gpu = CpuMapping::new(dmabuf.fd(), len).context("the exporter's CPU mapping of the dma-buf")?;
+            Ok(Target::Bounce { ram: anon(len)?, gpu, _dmabuf: dmabuf })
+        }
+        "p2pmem" => p2pmem(opts, len).map(Target::P2pmem),
+        _ => unreachable!("modes are checked in run"),
+    }
+}
+
+fn p2pmem(opts: &Options, len: usize) -> anyhow::Result<Anon> {
+    let bdf = match &opts.source.gpu {
+        Some(bdf) => bdf.clone(),
+        None => Gpu::list()?.first().map(|g| g.bdf.clone()).context("no GPU to take p2pmem from")?,
+    };
+    let dir = PathBuf::from(format!("/sys/bus/pci/devices/{bdf}/p2pmem"));
+    if !dir.join("allocate").exists() {
+        bail!("{} does not exist: this kernel has no userspace p2pmem (it needs CONFIG_PCI_P2PDMA and Linux 6.2+) or the GPU's driver registered no P2PDMA memory", dir.join("allocate").display());
+    }
+    let published = std::fs::read_to_string(dir.join("published")).unwrap_or_default();
+    if published.trim() != "1" {
+        bail!("{bdf}'s P2PDMA memory is not published, so p2pmem/allocate cannot hand it out");
+    }
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(dir.join("allocate"))?;
+    // SAFETY: a new shared mapping at a kernel-chosen address aliases nothing; it is only used
+    // as an I/O address.
+    let ptr = unsafe {
+        rustix::mm::mmap(std::ptr::null_mut(), len, rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE, rustix::mm::MapFlags::SHARED, f.as_fd(), 0)
+    }
+    .context("mmap of p2pmem/allocate")?;
+    Ok(Anon { ptr: ptr.cast(), len })
+}
+
+/// Busy CPU time of the whole machine so far (all CPUs, /proc/stat), in seconds.
+fn machine_cpu_secs() -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let line = stat.lines().next().unwrap_or_default();
+    let fields = line.split_whitespace().skip(1).map(|v| v.parse::<u64>().unwrap_or(0)).collect::<Vec<_>>();
+    // user nice system idle iowait irq softirq steal
+    let busy = [0, 1, 2, 5, 6, 7].iter().map(|&i| fields.get(i).copied().unwrap_or(0)).sum::<u64>();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    busy as f64 / hz
+}
+
+fn run_once(target: &Target, file: &File, opts: &Options, write: bool) -> anyhow::Result<Sample> {
+    let region = opts.block_size * opts.queue_depth;
+    let per_thread = opts.total / opts.threads as u64;
+    let cpu0 = machine_cpu_secs();
+    let started = Instant::now();
+    let latencies = std::thread::scope(|scope| {
+        let handles = (0..opts.threads)
+            .map(|t| {
+                let base = target.io_ptr() as usize + t * region;
+                scope.spawn(move || thread_io(target, base, t * region, file, opts, write, per_thread, t as u64))
+            })
+            .collect::<Vec<_>>();
+        let mut all = Vec::new();
+        for h in handles {
+            all.extend(h.join().expect("bench thread panicked")?);
+        }
+        anyhow::Ok(all)
+    })?;
+    let secs = started.elapsed().as_secs_f64();
+    let cpu_secs = machine_cpu_secs() - cpu0;
+    let mut lat = latencies;
+    lat.sort();
+    let pct = |p: f64| lat.get(((lat.len() as f64 - 1.0) * p) as usize).map_or(0.0, |d| d.as_secs_f64() * 1e6);
+    Ok(Sample { secs, cpu_secs, p50_us: pct(0.5), p99_us: pct(0.99) })
+}
+
+/// One thread's share: `bytes` in requests of `block_size`, `queue_depth` at a time, into its
+/// region at `base` (`region_offset` into the target). Returns each request's latency.
+#[allow(clippy::too_many_arguments)]
+fn thread_io(
+    target: &Target,
+    base: usize,
+    region_offset: usize,
+    file: &File,
+    opts: &Options,
+    write: bool,
+    bytes: u64,
+    thread: u64,
+) -> anyhow::Result<Vec<Duration>> {
+    let bs = opts.block_size;
+    let n_requests = bytes.div_ceil(bs as u64);
+    let mut ring = IoUring::new(opts.queue_depth.next_power_of_two() as u32)?;
+    let mut issued_at = vec![Instant::now(); opts.queue_depth];
+    let mut latencies = Vec::with_capacity(n_requests as usize);
+    let mut next = 0u64;
+    let mut in_flight = 0;
+    let fd = types::Fd(file.as_raw_fd());
+    let span_blocks = (opts.span / bs as u64).max(1);
+    let submit = |ring: &mut IoUring, slot: usize, request: u64| -> anyhow::Result<()> {
+        let ptr = (base + slot * bs) as *mut u8;
+        let block = (request * opts.threads as u64 + thread) % span_blocks;
+        let off = opts.file_offset + block * bs as u64;
+        if write {
+            if let Target::Bounce { ram, gpu, .. } = target {
+                let at = region_offset + slot * bs;
+                // SAFETY: `at..at+bs` is inside both mappings (same length), and this
+                // thread's slot is not in flight.
+                let dst = unsafe { std::slice::from_raw_parts_mut(ram.ptr.add(at), bs) };
+                gpu.read(at, dst);
+            }
+        }
+        let sqe = if write {
+            opcode::Write::new(fd, ptr, bs as u32).offset(off).build()
+        } else {
+            opcode::Read::new(fd, ptr, bs as u32).offset(off).build()
+        };
+        // SAFETY: the slot's memory lives until the run ends, and the run waits for every
+        // request before returning.
+        unsafe { ring.submission().push(&sqe.user_data(slot as u64)) }.map_err(|_| anyhow::format_err!("submission queue full"))?;
+        Ok(())
+    };
+    while next < n_requests && in_flight < opts.queue_depth {
+        issued_at[in_flight] = Instant::now();
+        submit(&mut ring, in_flight, next)?;
+        next += 1;
+        in_flight += 1;
+    }
+    while in_flight > 0 {
+        ring.submit_and_wait(1)?;
+        let done = ring.completion().map(|c| (c.user_data() as usize, c.result())).collect::<Vec<_>>();
+        for (slot, res) in done {
+            in_flight -= 1;
+            if res != bs as i32 {
+                // Drain what is in flight, so no request outlives its memory.
+                while in_flight > 0 {
+                    ring.submit_and_wait(1)?;
+                    in_flight -= ring.completion().count();
+                }
+                let what = if res < 0 { std::io::Error::from_raw_os_error(-res).to_string() } else { format!("{res} of {bs} bytes") };
+                bail!("request failed: {what}");
+            }
+            if !write {
+                if let Target::Bounce { ram, gpu, .. } = target {
+                    let at = region_offset + slot * bs;
+                    // SAFETY: as above; the request into this slot has completed.
+                    let src = unsafe { std::slice::from_raw_parts(ram.ptr.add(at), bs) };
+                    gpu.write(at, src);
+                }
+            }
+            latencies.push(issued_at[slot].elapsed());
+            if next < n_requests {
+                issued_at[slot] = Instant::now();
+                submit(&mut ring, slot, next)?;
+                next += 1;
+                in_flight += 1;
+            }
+        }
+    }
+    Ok(latencies)
+}

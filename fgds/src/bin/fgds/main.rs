@@ -1,0 +1,197 @@
+//! `fgds`: list GPUs fgds serves, move files into and out of GPU memory, and benchmark the
+//! direct path against the alternatives.
+
+mod bench;
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use fgds::{Direction, Gpu, Transfer, TransferConfig};
+
+#[derive(Parser)]
+#[command(name = "fgds", about = "Direct I/O between NVMe and GPU memory", arg_required_else_help = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The GPUs fgds serves: PCI address, node, BAR size, page mode, IOMMU, registrations.
+    List {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Read FILE (from --file-offset) into a GPU buffer.
+    Read(Io),
+    /// Write a GPU buffer into FILE (at --file-offset).
+    Write(Io),
+    /// Measure throughput, latency and CPU time of direct, bounce, ram and p2pmem I/O.
+    Bench(bench::Options),
+}
+
+/// Where the GPU memory comes from.
+#[derive(clap::Args, Clone)]
+pub struct Source {
+    /// The GPU's PCI address; defaults to the only GPU fgds serves.
+    #[arg(long)]
+    gpu: Option<String>,
+    /// A dma-buf fd inherited from the parent process (a GPU runtime's export).
+    #[arg(long, conflicts_with = "vgpu")]
+    dmabuf_fd: Option<i32>,
+    /// Allocate from the rig's test exporter /dev/vgpuN.
+    #[arg(long)]
+    vgpu: Option<u32>,
+}
+
+#[derive(clap::Args)]
+struct Io {
+    file: PathBuf,
+    #[command(flatten)]
+    source: Source,
+    /// Bytes to move (page aligned); defaults to the file's size rounded down to pages (read)
+    /// or is required (write).
+    #[arg(long)]
+    len: Option<u64>,
+    /// Offset in the file.
+    #[arg(long, default_value_t = 0)]
+    file_offset: u64,
+    /// Offset in the dma-buf.
+    #[arg(long, default_value_t = 0)]
+    dmabuf_offset: u64,
+    /// Bytes per io_uring request.
+    #[arg(long, default_value_t = TransferConfig::DEFAULT.chunk_size)]
+    chunk: usize,
+    /// io_uring requests in flight.
+    #[arg(long, default_value_t = TransferConfig::DEFAULT.queue_depth)]
+    depth: u32,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let res = match cli.command {
+        Command::List { json } => list(json),
+        Command::Read(io) => transfer(Direction::Read, &io),
+        Command::Write(io) => transfer(Direction::Write, &io),
+        Command::Bench(opts) => bench::run(&opts),
+    };
+    match res {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("fgds: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn list(json: bool) -> anyhow::Result<()> {
+    let gpus = Gpu::list()?;
+    if json {
+        let items = gpus
+            .iter()
+            .map(|g| {
+                serde_json::json!({
+                    "bdf": g.bdf, "node": g.node, "bar_size": g.bar_size, "mode": g.mode,
+                    "iommu": g.iommu, "buffers": g.buffers, "bytes": g.bytes,
+                })
+            })
+            .collect::<Vec<_>>();
+        println!("{}", serde_json::to_string_pretty(&items)?);
+        return Ok(());
+    }
+    if gpus.is_empty() {
+        println!("no GPUs: is the fgds module loaded (modprobe fgds), and does a GPU have a prefetchable BAR of 64 MiB or more?");
+        return Ok(());
+    }
+    println!("{:<14} {:<26} {:>10} {:<16} {:<10} {:>8} {:>12}", "GPU", "NODE", "BAR", "MODE", "IOMMU", "BUFFERS", "BYTES");
+    for g in gpus {
+        println!(
+            "{:<14} {:<26} {:>7} MiB {:<16} {:<10} {:>8} {:>12}",
+            g.bdf,
+            g.node.display(),
+            g.bar_size >> 20,
+            g.mode,
+            g.iommu,
+            g.buffers,
+            g.bytes
+        );
+    }
+    Ok(())
+}
+
+/// A dma-buf to register: inherited, or allocated from vgpu (kept alive by `_owned`).
+pub struct Dmabuf {
+    owned: Option<OwnedFd>,
+    raw: i32,
+}
+
+impl Dmabuf {
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        match &self.owned {
+            Some(fd) => fd.as_fd(),
+            // SAFETY: an inherited fd the user named; it stays open for the process's life.
+            None => unsafe { BorrowedFd::borrow_raw(self.raw) },
+        }
+    }
+}
+
+/// The GPU and dma-buf a command works on.
+pub fn resolve(source: &Source, len: u64) -> anyhow::Result<(Gpu, Dmabuf)> {
+    let bdf = match &source.gpu {
+        Some(bdf) => bdf.clone(),
+        None => match Gpu::list()?.as_slice() {
+            [only] => only.bdf.clone(),
+            [] => bail!("fgds serves no GPU: load the fgds module (with devices=<BDF> for a GPU that is not of display class)"),
+            many => bail!("fgds serves {} GPUs: name one with --gpu", many.len()),
+        },
+    };
+    let gpu = Gpu::open(&bdf)?;
+    let dmabuf = match (source.dmabuf_fd, source.vgpu) {
+        (Some(raw), None) => Dmabuf { owned: None, raw },
+        (None, Some(n)) => {
+            let dev = fgds::vgpu::open(n)?;
+            let (fd, _) = fgds::vgpu::alloc(&dev, len)?;
+            Dmabuf { owned: Some(fd), raw: -1 }
+        }
+        _ => bail!("name the GPU memory: --dmabuf-fd N (a dma-buf inherited from your GPU runtime) or --vgpu N (the rig's test exporter)"),
+    };
+    Ok((gpu, dmabuf))
+}
+
+fn page_align_down(n: u64) -> u64 {
+    n & !(rustix::param::page_size() as u64 - 1)
+}
+
+fn transfer(dir: Direction, io: &Io) -> anyhow::Result<()> {
+    let file = fgds::open_direct(&io.file, dir == Direction::Write)?;
+    let len = match (io.len, dir) {
+        (Some(len), _) => len,
+        (None, Direction::Read) => {
+            let size = std::fs::metadata(&io.file).map(|m| m.len()).unwrap_or(0);
+            let size = if size == 0 { device_size(&file)? } else { size };
+            page_align_down(size.saturating_sub(io.file_offset))
+        }
+        (None, Direction::Write) => bail!("give --len for write: how many bytes of GPU memory to write"),
+    };
+    if len == 0 {
+        bail!("nothing to move: the file is empty past --file-offset");
+    }
+    let (gpu, dmabuf) = resolve(&io.source, io.dmabuf_offset + len)?;
+    let buffer = gpu.register(dmabuf.fd(), io.dmabuf_offset, len)?;
+    let mut t = Transfer::new(TransferConfig { chunk_size: io.chunk, queue_depth: io.depth })?;
+    let started = std::time::Instant::now();
+    let n = t.run(dir, &buffer, 0..buffer.len(), &file, io.file_offset).context("transfer failed")?;
+    let secs = started.elapsed().as_secs_f64();
+    println!("{n} bytes in {secs:.3} s ({:.1} MiB/s)", n as f64 / (1 << 20) as f64 / secs);
+    Ok(())
+}
+
+fn device_size(file: &std::fs::File) -> anyhow::Result<u64> {
+    use std::io::Seek;
+    let mut f = file;
+    Ok(f.seek(std::io::SeekFrom::End(0))?)
+}
