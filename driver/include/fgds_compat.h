@@ -12,9 +12,174 @@
 
 /* --- dma-buf exporter side (vgpu) --- */
 
+/*
+ * vgpu also uses FGDS_IMPORT_NS_DMA_BUF(), fgds_class_create() and
+ * fgds_vm_flags_set() from the importer side below.
+ */
+#include <linux/dma-buf.h>
+#include <linux/fs.h>
+#include <linux/pci.h>
+
+/*
+ * Exporter-side invalidation: dma_buf_move_notify() up to 6.12, renamed
+ * dma_buf_invalidate_mappings() in 7.x, which also added
+ * dma_buf_attach_revocable(). Up to 6.12 every importer with ops has
+ * move_notify (dma_buf_dynamic_attach() refuses it otherwise), so every
+ * dynamic importer is revocable. Same boundary as FGDS_ATTACH_OPS_INVALIDATE().
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(7, 0, 0)
+static inline void fgds_dma_buf_invalidate_mappings(struct dma_buf *dmabuf)
+{
+	dma_buf_invalidate_mappings(dmabuf);
+}
+
+static inline bool
+fgds_dma_buf_attach_revocable(struct dma_buf_attachment *attach)
+{
+	return dma_buf_attach_revocable(attach);
+}
+#else
+static inline void fgds_dma_buf_invalidate_mappings(struct dma_buf *dmabuf)
+{
+	dma_buf_move_notify(dmabuf);
+}
+
+static inline bool
+fgds_dma_buf_attach_revocable(struct dma_buf_attachment *attach)
+{
+	return attach->importer_ops && attach->importer_ops->move_notify;
+}
+#endif
+
+/*
+ * Take a reference on a file whose count may already have dropped to zero
+ * (the caller keeps the struct file itself from being freed). 6.7 added
+ * get_file_active(); before it, get_file_rcu() did the same on a plain
+ * struct file pointer.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 7, 0)
+static inline struct file *fgds_get_file_active(struct file **f)
+{
+	return get_file_active(f);
+}
+#else
+static inline struct file *fgds_get_file_active(struct file **f)
+{
+	return get_file_rcu(*f) ? *f : NULL;
+}
+#endif
+
+/*
+ * Managed request of one BAR: pcim_request_region() is public from 6.12
+ * (boundary between supported kernels); before, pci_request_region() on a
+ * device enabled with pcim_enable_device() is released by devres.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)
+static inline int fgds_pcim_request_region(struct pci_dev *pdev, int bar,
+					   const char *name)
+{
+	return pcim_request_region(pdev, bar, name);
+}
+#else
+static inline int fgds_pcim_request_region(struct pci_dev *pdev, int bar,
+					   const char *name)
+{
+	return pci_request_region(pdev, bar, name);
+}
+#endif
+
+/*
+ * P2PDMA providers without struct pages (struct p2pdma_provider,
+ * pcim_p2pdma_provider(), pci_p2pdma_map_type() on a provider) and the
+ * dma-buf MMIO helpers dma_buf_phys_vec_to_sgt()/dma_buf_free_sgt() came
+ * with vfio-pci's dma-buf export in 6.19. Older kernels with
+ * CONFIG_PCI_P2PDMA only have pci_p2pdma_distance().
+ */
+#if IS_ENABLED(CONFIG_PCI_P2PDMA) && \
+	LINUX_VERSION_CODE >= KERNEL_VERSION(6, 19, 0)
+#define FGDS_HAVE_P2PDMA_PROVIDER 1
+#include <linux/dma-buf-mapping.h>
+#include <linux/pci-p2pdma.h>
+#else
+#define FGDS_HAVE_P2PDMA_PROVIDER 0
+#endif
+
 /* --- end of exporter side --- */
 
 /* --- dma-buf importer and ZONE_DEVICE side (fgds) --- */
+
+/*
+ * Where a boundary below is not the exact upstream release of a change, it is
+ * placed between the kernels this tree supports (6.12 behaves one way, 7.2
+ * and 7.3 the other, each checked in Debian's linux-source); kernels in
+ * between are not supported.
+ */
+#include <linux/device.h>
+#include <linux/dma-buf.h>
+#include <linux/memremap.h>
+#include <linux/mm.h>
+
+/* Symbol namespaces became string literals in 6.13. */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 13, 0)
+#define FGDS_IMPORT_NS_DMA_BUF() MODULE_IMPORT_NS("DMA_BUF")
+#else
+#define FGDS_IMPORT_NS_DMA_BUF() MODULE_IMPORT_NS(DMA_BUF)
+#endif
+
+/* class_create() lost its owner argument in 6.4. */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 4, 0)
+#define fgds_class_create(name) class_create(name)
+#else
+#define fgds_class_create(name) class_create(THIS_MODULE, name)
+#endif
+
+/* vm_flags became read-only behind helpers in 6.3. */
+#if LINUX_VERSION_CODE < KERNEL_VERSION(6, 3, 0)
+static inline void fgds_vm_flags_set(struct vm_area_struct *vma,
+				     unsigned long flags)
+{
+	vma->vm_flags |= flags;
+}
+#else
+#define fgds_vm_flags_set(vma, flags) vm_flags_set(vma, flags)
+#endif
+
+/*
+ * The importer's invalidation callback: move_notify up to 6.12 (where
+ * dma_buf_dynamic_attach() refuses importer ops without it), renamed
+ * invalidate_mappings in 7.x.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(7, 0, 0)
+#define FGDS_ATTACH_OPS_INVALIDATE(fn) .invalidate_mappings = (fn)
+#else
+#define FGDS_ATTACH_OPS_INVALIDATE(fn) .move_notify = (fn)
+#endif
+
+/* get_dev_pagemap() lost its second (cached pgmap) argument in 7.x. */
+static inline struct dev_pagemap *fgds_get_dev_pagemap(unsigned long pfn)
+{
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(7, 0, 0)
+	return get_dev_pagemap(pfn);
+#else
+	return get_dev_pagemap(pfn, NULL);
+#endif
+}
+
+/*
+ * Reference count of a ZONE_DEVICE page that nobody uses. GENERIC pages idle
+ * at 1 on every supported kernel (7.x free_zone_device_folio() resets them to
+ * 1). PCI_P2PDMA pages idle at 1 up to 6.12 and at 0 from 7.x (the
+ * "fs/dax: Fix ZONE_DEVICE page reference counts" series); at 0 they are
+ * handed back to their genpool, so fgds never lets a P2PDMA page it holds
+ * drop to 0 through put_page().
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(7, 0, 0)
+#define FGDS_P2PDMA_IDLE_REFS 0
+#else
+#define FGDS_P2PDMA_IDLE_REFS 1
+#endif
+#define FGDS_GENERIC_IDLE_REFS 1
+
 
 /* --- end of importer side --- */
 

@@ -1,0 +1,732 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * fgds: struct pages over a GPU's BAR, and the references fgds holds on them.
+ *
+ * Three providers, chosen when the first buffer of a GPU is registered while
+ * the GPU has a driver bound (it is the exporter, or vfio), torn down when
+ * that driver unbinds or the GPU goes away:
+ *
+ *  1. the exporter registered P2PDMA pages for the BAR: fgds maps those;
+ *  2. CONFIG_PCI_P2PDMA: fgds registers P2PDMA pages for the whole BAR and
+ *     claims the whole range from the P2PDMA genpool, so no other allocator
+ *     (pci_alloc_p2pmem(), p2pmem/allocate) can hand that memory out;
+ *  3. otherwise MEMORY_DEVICE_GENERIC pages, only when no IOMMU translates
+ *     the GPU's or an NVMe controller's DMA.
+ *
+ * In modes 2 and 3 fgds first reserves the BAR's memory type write-combined
+ * (arch_io_reserve_memtype_wc()). x86 PAT keeps the type of the first
+ * reservation of a range and refuses write-back for it afterwards, and
+ * memremap_pages() takes the existing type when one exists, so the pages'
+ * kernel mapping is never write-back, whichever of fgds and the exporter
+ * maps the BAR first. If the range is already reserved write-back, fgds
+ * refuses.
+ *
+ * Page references: P2PDMA pages return to their genpool when their refcount
+ * reaches zero, so a page fgds may map must never drop to zero through
+ * put_page() behind the allocator's back. fgds therefore holds one reference
+ * of its own on every page that at least one registration covers (counted per
+ * page in gpu->holds), takes it with page_ref_inc() and gives it back with
+ * page_ref_dec() only once the page is quiet: no references left but the
+ * page's idle count, fgds's own, and one per PTE. PTEs are only created by
+ * fgds's fault handler and removed by zapping; GUP pins of in-flight I/O are
+ * the only other references, so "quiet" means "no I/O in flight".
+ */
+
+#include <linux/delay.h>
+#include <linux/dma-resv.h>
+#include <linux/io.h>
+#include <linux/iommu.h>
+#include <linux/memremap.h>
+#include <linux/mm.h>
+#include <linux/pci-p2pdma.h>
+#include <linux/slab.h>
+
+#include "fgds_compat.h"
+#include "fgds_drv.h"
+
+const char *fgds_mode_name(enum fgds_mode mode)
+{
+	switch (mode) {
+	case FGDS_MODE_EXPORTER_P2PDMA:
+		return "exporter-p2pdma";
+	case FGDS_MODE_P2PDMA:
+		return "p2pdma";
+	case FGDS_MODE_GENERIC:
+		return "generic";
+	default:
+		return "none";
+	}
+}
+
+static unsigned long fgds_bar_pfn(struct fgds_gpu *gpu)
+{
+	return PHYS_PFN(gpu->bar_start);
+}
+
+struct page *fgds_gpu_page(struct fgds_gpu *gpu, pgoff_t bar_pg)
+{
+	return pfn_to_page(fgds_bar_pfn(gpu) + bar_pg);
+}
+
+/*
+ * Returns the type of the first ZONE_DEVICE pagemap found over the BAR, or -1
+ * when there is none. Pagemaps are at least subsection (2 MiB) aligned.
+ */
+static int fgds_bar_pgmap_type(struct fgds_gpu *gpu)
+{
+	unsigned long pfn = fgds_bar_pfn(gpu);
+	unsigned long end = pfn + PHYS_PFN(gpu->bar_len);
+	unsigned long step = PHYS_PFN(SZ_2M);
+	struct dev_pagemap *pgmap;
+	int type;
+
+	for (; pfn < end; pfn += step) {
+		pgmap = fgds_get_dev_pagemap(pfn);
+		if (!pgmap)
+			continue;
+		type = pgmap->type;
+		put_dev_pagemap(pgmap);
+		return type;
+	}
+	return -1;
+}
+
+static int fgds_reserve_wc(struct fgds_gpu *gpu)
+{
+	int ret;
+
+	ret = arch_io_reserve_memtype_wc(gpu->bar_start, gpu->bar_len);
+	if (ret) {
+		pci_err(gpu->pdev,
+			"fgds: BAR %d is already mapped write-back (%d); fgds needs it write-combined or uncached: find and unload whatever maps it cached\n",
+			gpu->bar, ret);
+		return -EBUSY;
+	}
+	gpu->memtype_wc = true;
+	return 0;
+}
+
+static void fgds_unreserve_wc(struct fgds_gpu *gpu)
+{
+	if (!gpu->memtype_wc)
+		return;
+	arch_io_free_memtype_wc(gpu->bar_start, gpu->bar_len);
+	gpu->memtype_wc = false;
+}
+
+#ifdef CONFIG_PCI_P2PDMA
+/*
+ * Creating P2PDMA pages puts devres on the GPU's device, so it is only done
+ * while a driver is bound (the caller checks): devres present at probe makes
+ * the driver core refuse to bind. If fgds created the device's P2PDMA state,
+ * all of it goes into a devres group that fgds releases itself; otherwise the
+ * resource stays until the driver unbinds, since a P2PDMA genpool chunk
+ * cannot be removed on its own.
+ */
+static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
+{
+	struct pci_dev *pdev = gpu->pdev;
+	void *group = NULL;
+	void *claim;
+	int ret;
+
+	ret = fgds_reserve_wc(gpu);
+	if (ret)
+		return ret;
+
+	if (!rcu_access_pointer(pdev->p2pdma)) {
+		group = devres_open_group(&pdev->dev, NULL, GFP_KERNEL);
+		if (!group) {
+			ret = -ENOMEM;
+			goto err_wc;
+		}
+	}
+	ret = pci_p2pdma_add_resource(pdev, gpu->bar, 0, 0);
+	if (group)
+		devres_close_group(&pdev->dev, group);
+	if (ret) {
+		pci_err(pdev, "fgds: cannot register P2PDMA pages for BAR %d: %d\n",
+			gpu->bar, ret);
+		goto err_group;
+	}
+
+	claim = pci_alloc_p2pmem(pdev, gpu->bar_len);
+	if (claim != phys_to_virt(gpu->bar_start)) {
+		pci_err(pdev,
+			"fgds: cannot claim all of BAR %d from the P2PDMA pool (another user holds part of it); unload that user and retry\n",
+			gpu->bar);
+		if (claim)
+			pci_free_p2pmem(pdev, claim, gpu->bar_len);
+		ret = -EBUSY;
+		goto err_group;
+	}
+
+	gpu->p2p_claim = claim;
+	gpu->p2p_group = group;
+	return 0;
+
+err_group:
+	if (group)
+		devres_release_group(&pdev->dev, group);
+err_wc:
+	fgds_unreserve_wc(gpu);
+	return ret;
+}
+
+static void fgds_teardown_p2pdma(struct fgds_gpu *gpu)
+{
+	struct pci_dev *pdev = gpu->pdev;
+
+	pci_free_p2pmem(pdev, gpu->p2p_claim, gpu->bar_len);
+	gpu->p2p_claim = NULL;
+	if (gpu->p2p_group)
+		devres_release_group(&pdev->dev, gpu->p2p_group);
+	gpu->p2p_group = NULL;
+	fgds_unreserve_wc(gpu);
+}
+#else
+static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
+{
+	return -EOPNOTSUPP;
+}
+
+static void fgds_teardown_p2pdma(struct fgds_gpu *gpu)
+{
+}
+#endif
+
+static bool fgds_dma_translated(struct device *dev)
+{
+	struct iommu_domain *dom = iommu_get_domain_for_dev(dev);
+
+	return dom && dom->type != IOMMU_DOMAIN_IDENTITY;
+}
+
+/*
+ * GENERIC pages look like RAM to the DMA API: an IOMMU would map the BAR's
+ * CPU address for the NVMe controller, which routes the transfer through the
+ * root complex without any P2P check. Accept them only when neither the GPU
+ * nor any NVMe controller present has its DMA translated.
+ */
+static int fgds_generic_allowed(struct fgds_gpu *gpu)
+{
+	struct pci_dev *pdev = NULL;
+
+	if (fgds_dma_translated(&gpu->pdev->dev)) {
+		pci_err(gpu->pdev,
+			"fgds: GENERIC pages refused: an IOMMU translates this GPU's DMA; boot with iommu=pt (or without an IOMMU), or use a kernel with CONFIG_PCI_P2PDMA\n");
+		return -EOPNOTSUPP;
+	}
+	for_each_pci_dev(pdev) {
+		if ((pdev->class >> 8) != PCI_CLASS_STORAGE_EXPRESS ||
+		    !fgds_dma_translated(&pdev->dev))
+			continue;
+		pci_err(gpu->pdev,
+			"fgds: GENERIC pages refused: an IOMMU translates the DMA of NVMe %s; boot with iommu=pt (or without an IOMMU), or use a kernel with CONFIG_PCI_P2PDMA\n",
+			pci_name(pdev));
+		pci_dev_put(pdev);
+		return -EOPNOTSUPP;
+	}
+	return 0;
+}
+
+static int fgds_setup_generic(struct fgds_gpu *gpu)
+{
+	struct dev_pagemap *pgmap;
+	void *addr;
+	int ret;
+
+	if (!IS_ENABLED(CONFIG_ZONE_DEVICE)) {
+		pci_err(gpu->pdev, "fgds: the kernel has no CONFIG_ZONE_DEVICE\n");
+		return -EOPNOTSUPP;
+	}
+	ret = fgds_generic_allowed(gpu);
+	if (ret)
+		return ret;
+	ret = fgds_reserve_wc(gpu);
+	if (ret)
+		return ret;
+
+	pgmap = kzalloc(sizeof(*pgmap), GFP_KERNEL);
+	if (!pgmap) {
+		ret = -ENOMEM;
+		goto err_wc;
+	}
+	pgmap->range.start = gpu->bar_start;
+	pgmap->range.end = gpu->bar_start + gpu->bar_len - 1;
+	pgmap->nr_range = 1;
+	pgmap->type = MEMORY_DEVICE_GENERIC;
+	addr = memremap_pages(pgmap, dev_to_node(&gpu->pdev->dev));
+	if (IS_ERR(addr)) {
+		ret = PTR_ERR(addr);
+		pci_err(gpu->pdev, "fgds: memremap_pages of BAR %d failed: %d\n",
+			gpu->bar, ret);
+		goto err_free;
+	}
+	gpu->pgmap = pgmap;
+	return 0;
+
+err_free:
+	kfree(pgmap);
+err_wc:
+	fgds_unreserve_wc(gpu);
+	return ret;
+}
+
+/**
+ * fgds_gpu_setup_pages() - choose and set up the GPU's page provider
+ * @gpu: the GPU; gpu->lock and the PCI device's device_lock held
+ *
+ * Return: 0 when struct pages exist over the BAR and fgds may map them,
+ * -ENODEV without a bound driver, else the reason the provider was refused
+ * (also logged).
+ */
+int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
+{
+	enum fgds_mode mode;
+	int type, ret;
+
+	lockdep_assert_held(&gpu->lock);
+	if (gpu->mode != FGDS_MODE_NONE)
+		return 0;
+	if (!gpu->pdev->dev.driver) {
+		pci_info(gpu->pdev, "fgds: no driver bound to the GPU; bind its driver first\n");
+		return -ENODEV;
+	}
+
+	type = fgds_bar_pgmap_type(gpu);
+	if (type == MEMORY_DEVICE_PCI_P2PDMA) {
+		mode = FGDS_MODE_EXPORTER_P2PDMA;
+		ret = 0;
+	} else if (type >= 0) {
+		pci_err(gpu->pdev,
+			"fgds: BAR %d already has struct pages of type %d from another driver; unload it\n",
+			gpu->bar, type);
+		return -EBUSY;
+	} else if (IS_ENABLED(CONFIG_PCI_P2PDMA)) {
+		mode = FGDS_MODE_P2PDMA;
+		ret = fgds_setup_p2pdma(gpu);
+	} else {
+		mode = FGDS_MODE_GENERIC;
+		ret = fgds_setup_generic(gpu);
+	}
+	if (ret)
+		return ret;
+
+	gpu->mode = mode;
+	pci_info(gpu->pdev, "fgds: %s pages over BAR %d (%pa bytes)\n",
+		 fgds_mode_name(mode), gpu->bar, &gpu->bar_len);
+	return 0;
+}
+
+static unsigned int fgds_idle_refs(struct fgds_gpu *gpu)
+{
+	return gpu->mode == FGDS_MODE_GENERIC ? FGDS_GENERIC_IDLE_REFS :
+						FGDS_P2PDMA_IDLE_REFS;
+}
+
+/**
+ * fgds_gpu_check_range() - check that fgds may map a run of BAR pages
+ * @gpu: the GPU, with a provider set up
+ * @bar_pg: first page, counted from the start of the BAR
+ * @n: number of pages
+ *
+ * The caller has checked that the run lies inside the BAR. In the exporter's
+ * P2PDMA mode the run must also lie inside the exporter's P2PDMA pagemaps.
+ *
+ * Return: 0 or -EINVAL.
+ */
+int fgds_gpu_check_range(struct fgds_gpu *gpu, pgoff_t bar_pg, pgoff_t n)
+{
+	unsigned long pfn = fgds_bar_pfn(gpu) + bar_pg;
+	unsigned long end = pfn + n;
+	struct dev_pagemap *pgmap;
+	unsigned long last;
+	bool ok;
+
+	if (gpu->mode != FGDS_MODE_EXPORTER_P2PDMA)
+		return 0;
+	while (pfn < end) {
+		pgmap = fgds_get_dev_pagemap(pfn);
+		ok = pgmap && pgmap->type == MEMORY_DEVICE_PCI_P2PDMA &&
+		     pgmap->nr_range == 1;
+		last = ok ? PHYS_PFN(pgmap->range.end) : 0;
+		if (pgmap)
+			put_dev_pagemap(pgmap);
+		if (!ok) {
+			dev_err(&gpu->dev,
+				"buffer page %#lx of the BAR is not a P2PDMA page of the exporter\n",
+				pfn - fgds_bar_pfn(gpu));
+			return -EINVAL;
+		}
+		pfn = last + 1;
+	}
+	return 0;
+}
+
+static void fgds_hold_put_one(struct fgds_gpu *gpu, pgoff_t pg)
+{
+	void *entry = xa_load(&gpu->holds, pg);
+	unsigned long n = entry ? xa_to_value(entry) : 0;
+
+	if (WARN_ON_ONCE(!n))
+		return;
+	if (n > 1) {
+		xa_store(&gpu->holds, pg, xa_mk_value(n - 1), GFP_KERNEL);
+		return;
+	}
+	xa_erase(&gpu->holds, pg);
+	/* Never put_page(): a P2PDMA page would go back to its pool. */
+	page_ref_dec(fgds_gpu_page(gpu, pg));
+	gpu->nr_held--;
+}
+
+static int fgds_hold_get_one(struct fgds_gpu *gpu, pgoff_t pg)
+{
+	void *entry = xa_load(&gpu->holds, pg);
+	unsigned long n = entry ? xa_to_value(entry) : 0;
+	int ret;
+
+	ret = xa_err(xa_store(&gpu->holds, pg, xa_mk_value(n + 1), GFP_KERNEL));
+	if (ret)
+		return ret;
+	if (!n) {
+		page_ref_inc(fgds_gpu_page(gpu, pg));
+		gpu->nr_held++;
+	}
+	return 0;
+}
+
+static void fgds_holds_put_locked(struct fgds_gpu *gpu,
+				  const struct fgds_extent *ext,
+				  unsigned int nr_ext)
+{
+	unsigned int e;
+	pgoff_t i;
+
+	for (e = 0; e < nr_ext; e++)
+		for (i = 0; i < ext[e].npages; i++)
+			fgds_hold_put_one(gpu, ext[e].bar_pg + i);
+}
+
+/**
+ * fgds_holds_get() - take fgds's reference on the pages of a registration
+ * @gpu: the GPU, with a provider set up
+ * @ext: the registration's extents
+ * @nr_ext: number of extents
+ *
+ * Return: 0 or -ENOMEM; on error nothing is held.
+ */
+int fgds_holds_get(struct fgds_gpu *gpu, const struct fgds_extent *ext,
+		   unsigned int nr_ext)
+{
+	unsigned int e;
+	pgoff_t i = 0;
+	int ret = 0;
+
+	mutex_lock(&gpu->holds_lock);
+	for (e = 0; e < nr_ext; e++) {
+		for (i = 0; i < ext[e].npages; i++) {
+			ret = fgds_hold_get_one(gpu, ext[e].bar_pg + i);
+			if (ret)
+				goto unwind;
+		}
+	}
+	mutex_unlock(&gpu->holds_lock);
+	return 0;
+
+unwind:
+	while (i--)
+		fgds_hold_put_one(gpu, ext[e].bar_pg + i);
+	fgds_holds_put_locked(gpu, ext, e);
+	mutex_unlock(&gpu->holds_lock);
+	return ret;
+}
+
+/**
+ * fgds_pages_quiet() - are the pages of a registration free of I/O?
+ * @gpu: the GPU
+ * @ext: the registration's extents
+ * @nr_ext: number of extents
+ *
+ * A page is quiet when its only references are its idle count, fgds's own
+ * and one per PTE mapping it. Reading the refcount and the mapcount is not
+ * atomic, but every transition (PTE insertion takes the reference before the
+ * mapcount, zapping drops the mapcount before the reference) errs towards
+ * "not quiet".
+ *
+ * Return: true when no page of the registration is pinned by I/O.
+ */
+bool fgds_pages_quiet(struct fgds_gpu *gpu, const struct fgds_extent *ext,
+		      unsigned int nr_ext)
+{
+	int idle = fgds_idle_refs(gpu) + 1;
+	struct page *page;
+	unsigned int e;
+	pgoff_t i;
+
+	for (e = 0; e < nr_ext; e++) {
+		for (i = 0; i < ext[e].npages; i++) {
+			page = fgds_gpu_page(gpu, ext[e].bar_pg + i);
+			if (page_ref_count(page) -
+			    folio_mapcount(page_folio(page)) > idle)
+				return false;
+		}
+	}
+	return true;
+}
+
+/**
+ * fgds_holds_put() - give back fgds's references of a registration
+ * @gpu: the GPU
+ * @ext: the registration's extents
+ * @nr_ext: number of extents
+ *
+ * Only for quiet pages (fgds_pages_quiet()).
+ */
+void fgds_holds_put(struct fgds_gpu *gpu, const struct fgds_extent *ext,
+		    unsigned int nr_ext)
+{
+	mutex_lock(&gpu->holds_lock);
+	fgds_holds_put_locked(gpu, ext, nr_ext);
+	mutex_unlock(&gpu->holds_lock);
+}
+
+/**
+ * fgds_gpu_revoke_all() - revoke every registration on a GPU
+ * @gpu: the GPU; gpu->lock held
+ */
+void fgds_gpu_revoke_all(struct fgds_gpu *gpu)
+{
+	struct fgds_buf *buf;
+
+	lockdep_assert_held(&gpu->lock);
+	list_for_each_entry(buf, &gpu->bufs, gpu_node)
+		fgds_buf_revoke(buf);
+}
+
+/**
+ * fgds_buf_reap() - give back the page references of a quiet registration
+ * @buf: a registration that can no longer get new PTEs (revoked, or without
+ *	mappings and registry entry)
+ *
+ * Return: true when @buf holds no page reference any more.
+ */
+bool fgds_buf_reap(struct fgds_buf *buf)
+{
+	struct fgds_gpu *gpu = buf->gpu;
+
+	mutex_lock(&gpu->holds_lock);
+	if (buf->holding && fgds_pages_quiet(gpu, buf->ext, buf->nr_ext)) {
+		fgds_holds_put_locked(gpu, buf->ext, buf->nr_ext);
+		buf->holding = false;
+	}
+	mutex_unlock(&gpu->holds_lock);
+	return !buf->holding;
+}
+
+/*
+ * Releases what it can of the page references still held for revoked
+ * registrations and for released ones (zombies). gpu->lock held, and a
+ * reference on gpu->dev besides the ones zombies hold. Returns true when
+ * something is left to retry.
+ */
+static bool fgds_reap(struct fgds_gpu *gpu)
+{
+	struct fgds_buf *buf, *tmp;
+	LIST_HEAD(done);
+	bool left = false;
+
+	lockdep_assert_held(&gpu->lock);
+	list_for_each_entry(buf, &gpu->bufs, gpu_node)
+		if (buf->revoked && !fgds_buf_reap(buf))
+			left = true;
+	list_for_each_entry_safe(buf, tmp, &gpu->zombies, gpu_node) {
+		if (fgds_buf_reap(buf))
+			list_move(&buf->gpu_node, &done);
+		else
+			left = true;
+	}
+	/* Every caller holds its own reference on gpu->dev. */
+	list_for_each_entry_safe(buf, tmp, &done, gpu_node)
+		fgds_buf_free(buf);
+	return left;
+}
+
+/**
+ * fgds_gpu_kick_reaper() - retry releasing page references later
+ * @gpu: the GPU
+ *
+ * The reaper does not run for a GPU being removed: references it still holds
+ * then are leaked, never dropped under a pin.
+ */
+void fgds_gpu_kick_reaper(struct fgds_gpu *gpu)
+{
+	if (!READ_ONCE(gpu->dead))
+		schedule_delayed_work(&gpu->reaper, HZ / 10);
+}
+
+void fgds_reaper_fn(struct work_struct *work)
+{
+	struct fgds_gpu *gpu = container_of(to_delayed_work(work),
+					    struct fgds_gpu, reaper);
+	bool left;
+
+	get_device(&gpu->dev);
+	mutex_lock(&gpu->lock);
+	left = fgds_reap(gpu);
+	mutex_unlock(&gpu->lock);
+	if (left)
+		fgds_gpu_kick_reaper(gpu);
+	put_device(&gpu->dev);
+}
+
+/*
+ * Waits until fgds holds no page of the GPU. P2PDMA pages are never pinned
+ * long-term (GUP refuses FOLL_LONGTERM on them), so their pins belong to I/O
+ * in flight, which ends: wait for it however long it takes, since the pages
+ * go away with the GPU's driver. GENERIC pages can be pinned long-term (an
+ * io_uring registered buffer): wait revoke_timeout_ms, then give up.
+ * gpu->lock held.
+ */
+static bool fgds_wait_unheld(struct fgds_gpu *gpu)
+{
+	unsigned long deadline = jiffies +
+				 msecs_to_jiffies(fgds_revoke_timeout_ms);
+	bool warned = false;
+	unsigned long held;
+
+	for (;;) {
+		fgds_reap(gpu);
+		mutex_lock(&gpu->holds_lock);
+		held = gpu->nr_held;
+		mutex_unlock(&gpu->holds_lock);
+		if (!held)
+			return true;
+		if (time_after(jiffies, deadline)) {
+			if (gpu->mode == FGDS_MODE_GENERIC)
+				return false;
+			if (!warned)
+				dev_warn(&gpu->dev,
+					 "waiting for I/O still in flight into %lu pages of GPU memory\n",
+					 held);
+			warned = true;
+		}
+		msleep(20);
+	}
+}
+
+/**
+ * fgds_gpu_teardown_pages() - revoke everything and drop the page provider
+ * @gpu: the GPU; gpu->lock held
+ *
+ * Called when the GPU's driver unbinds, when the GPU is removed and at module
+ * unload. If GENERIC pages are still pinned after revoke_timeout_ms they are
+ * leaked, never freed under a pin.
+ */
+void fgds_gpu_teardown_pages(struct fgds_gpu *gpu)
+{
+	lockdep_assert_held(&gpu->lock);
+	if (gpu->mode == FGDS_MODE_NONE)
+		return;
+
+	fgds_gpu_revoke_all(gpu);
+	gpu->gen++;
+	if (!fgds_wait_unheld(gpu)) {
+		dev_err(&gpu->dev,
+			"GENERIC pages still pinned after %u ms (an io_uring registered buffer?); leaking them rather than freeing pinned pages\n",
+			fgds_revoke_timeout_ms);
+		gpu->pgmap = NULL;
+		gpu->memtype_wc = false;
+		gpu->mode = FGDS_MODE_NONE;
+		return;
+	}
+
+	switch (gpu->mode) {
+	case FGDS_MODE_GENERIC:
+		memunmap_pages(gpu->pgmap);
+		kfree(gpu->pgmap);
+		gpu->pgmap = NULL;
+		fgds_unreserve_wc(gpu);
+		break;
+	case FGDS_MODE_P2PDMA:
+		fgds_teardown_p2pdma(gpu);
+		break;
+	default:
+		break;
+	}
+	pci_info(gpu->pdev, "fgds: %s pages released\n",
+		 fgds_mode_name(gpu->mode));
+	gpu->mode = FGDS_MODE_NONE;
+}
+
+static ssize_t bar_size_show(struct device *dev, struct device_attribute *attr,
+			     char *buf)
+{
+	struct fgds_gpu *gpu = dev_get_drvdata(dev);
+
+	return sysfs_emit(buf, "%llu\n", (unsigned long long)gpu->bar_len);
+}
+static DEVICE_ATTR_RO(bar_size);
+
+static ssize_t mode_show(struct device *dev, struct device_attribute *attr,
+			 char *buf)
+{
+	struct fgds_gpu *gpu = dev_get_drvdata(dev);
+
+	return sysfs_emit(buf, "%s\n", fgds_mode_name(READ_ONCE(gpu->mode)));
+}
+static DEVICE_ATTR_RO(mode);
+
+static ssize_t buffers_show(struct device *dev, struct device_attribute *attr,
+			    char *buf)
+{
+	struct fgds_gpu *gpu = dev_get_drvdata(dev);
+	unsigned long n;
+
+	mutex_lock(&gpu->lock);
+	n = gpu->nr_bufs;
+	mutex_unlock(&gpu->lock);
+	return sysfs_emit(buf, "%lu\n", n);
+}
+static DEVICE_ATTR_RO(buffers);
+
+static ssize_t bytes_show(struct device *dev, struct device_attribute *attr,
+			  char *buf)
+{
+	struct fgds_gpu *gpu = dev_get_drvdata(dev);
+	u64 n;
+
+	mutex_lock(&gpu->lock);
+	n = gpu->nr_bytes;
+	mutex_unlock(&gpu->lock);
+	return sysfs_emit(buf, "%llu\n", n);
+}
+static DEVICE_ATTR_RO(bytes);
+
+static ssize_t bar_show(struct device *dev, struct device_attribute *attr,
+			char *buf)
+{
+	struct fgds_gpu *gpu = dev_get_drvdata(dev);
+
+	return sysfs_emit(buf, "%d\n", gpu->bar);
+}
+static DEVICE_ATTR_RO(bar);
+
+static struct attribute *fgds_gpu_attrs[] = {
+	&dev_attr_bar_size.attr,
+	&dev_attr_mode.attr,
+	&dev_attr_buffers.attr,
+	&dev_attr_bytes.attr,
+	&dev_attr_bar.attr,
+	NULL,
+};
+
+static const struct attribute_group fgds_gpu_group = {
+	.attrs = fgds_gpu_attrs,
+};
+
+const struct attribute_group *fgds_gpu_groups[] = {
+	&fgds_gpu_group,
+	NULL,
+};

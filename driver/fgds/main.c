@@ -1,0 +1,301 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * fgds: GPU-NVMe direct I/O through POSIX and io_uring.
+ *
+ * One character device /dev/fgds_DDDD_BB_DD_F (class "fgds") per GPU: a PCI
+ * device of display class (VGA or 3D), or named in the devices= parameter,
+ * with a prefetchable memory BAR of at least 64 MiB. fgds never binds the
+ * GPU: its own driver (the dma-buf exporter) keeps it. Nodes follow the PCI
+ * bus through a bus notifier: a GPU added gets a node, a GPU removed loses it
+ * (after every registration on it has been revoked), and the page provider
+ * is dropped when the GPU's driver unbinds.
+ */
+
+#include <linux/fs.h>
+#include <linux/idr.h>
+#include <linux/module.h>
+#include <linux/moduleparam.h>
+#include <linux/pci.h>
+#include <linux/slab.h>
+#include <linux/string.h>
+
+#include "fgds_compat.h"
+#include "fgds_drv.h"
+
+#define FGDS_MAX_MINORS		512
+
+static char *devices = "";
+module_param(devices, charp, 0444);
+MODULE_PARM_DESC(devices,
+		 "Comma-separated PCI addresses (DDDD:BB:DD.F) of further devices to treat as GPUs, besides display-class devices");
+
+unsigned int fgds_max_buffers_per_file = 1024;
+module_param_named(max_buffers_per_file, fgds_max_buffers_per_file, uint, 0644);
+MODULE_PARM_DESC(max_buffers_per_file,
+		 "Registrations per open file; past it REG_BUFFER fails with EMFILE (default 1024)");
+
+unsigned long long fgds_max_bytes_per_gpu = 1ULL << 40;
+module_param_named(max_bytes_per_gpu, fgds_max_bytes_per_gpu, ullong, 0644);
+MODULE_PARM_DESC(max_bytes_per_gpu,
+		 "Bytes registered per GPU, over all open files; past it REG_BUFFER fails with ENOSPC (default 1 TiB)");
+
+unsigned int fgds_revoke_timeout_ms = 10000;
+module_param_named(revoke_timeout_ms, fgds_revoke_timeout_ms, uint, 0644);
+MODULE_PARM_DESC(revoke_timeout_ms,
+		 "How long revocation waits for I/O in flight into a buffer (default 10000)");
+
+static dev_t fgds_devt;
+static struct class *fgds_class;
+static DEFINE_IDA(fgds_minors);
+/* Protects fgds_gpus; taken before any gpu->lock. */
+static DEFINE_MUTEX(fgds_lock);
+static LIST_HEAD(fgds_gpus);
+
+static bool fgds_named(struct pci_dev *pdev)
+{
+	const char *name = pci_name(pdev);
+	const char *p = devices;
+	size_t len;
+
+	while (p && *p) {
+		len = strcspn(p, ",");
+		if (len == strlen(name) && !strncasecmp(p, name, len))
+			return true;
+		/* "BB:DD.F" for domain 0 */
+		if (len + 5 == strlen(name) && !pci_domain_nr(pdev->bus) &&
+		    !strncasecmp(p, name + 5, len))
+			return true;
+		p += len;
+		p += *p == ',';
+	}
+	return false;
+}
+
+static bool fgds_is_display(struct pci_dev *pdev)
+{
+	unsigned int class = pdev->class >> 8;
+
+	return class == PCI_CLASS_DISPLAY_VGA || class == PCI_CLASS_DISPLAY_3D;
+}
+
+/* The largest prefetchable memory BAR of at least FGDS_MIN_BAR_SIZE, or -1. */
+static int fgds_pick_bar(struct pci_dev *pdev)
+{
+	resource_size_t best = 0;
+	int bar, pick = -1;
+
+	for (bar = 0; bar < PCI_STD_NUM_BARS; bar++) {
+		unsigned long flags = pci_resource_flags(pdev, bar);
+		resource_size_t len = pci_resource_len(pdev, bar);
+
+		if ((flags & (IORESOURCE_MEM | IORESOURCE_PREFETCH)) !=
+		    (IORESOURCE_MEM | IORESOURCE_PREFETCH) ||
+		    (flags & IORESOURCE_UNSET) || !pci_resource_start(pdev, bar))
+			continue;
+		if (len >= FGDS_MIN_BAR_SIZE && len > best) {
+			best = len;
+			pick = bar;
+		}
+	}
+	return pick;
+}
+
+static struct fgds_gpu *fgds_find(struct pci_dev *pdev)
+{
+	struct fgds_gpu *gpu;
+
+	lockdep_assert_held(&fgds_lock);
+	list_for_each_entry(gpu, &fgds_gpus, list)
+		if (gpu->pdev == pdev)
+			return gpu;
+	return NULL;
+}
+
+static void fgds_gpu_release(struct device *dev)
+{
+	struct fgds_gpu *gpu = container_of(dev, struct fgds_gpu, dev);
+
+	WARN_ON_ONCE(gpu->nr_held);
+	xa_destroy(&gpu->holds);
+	mutex_destroy(&gpu->holds_lock);
+	mutex_destroy(&gpu->lock);
+	ida_free(&fgds_minors, MINOR(dev->devt));
+	pci_dev_put(gpu->pdev);
+	kfree(gpu);
+}
+
+static void fgds_gpu_add(struct pci_dev *pdev)
+{
+	bool named = fgds_named(pdev);
+	struct fgds_gpu *gpu;
+	int bar, minor, ret;
+
+	if (!named && !fgds_is_display(pdev))
+		return;
+	bar = fgds_pick_bar(pdev);
+	if (bar < 0) {
+		if (named)
+			pci_warn(pdev, "fgds: named in devices= but has no prefetchable memory BAR of 64 MiB or more\n");
+		return;
+	}
+
+	mutex_lock(&fgds_lock);
+	if (fgds_find(pdev))
+		goto out;
+	minor = ida_alloc_max(&fgds_minors, FGDS_MAX_MINORS - 1, GFP_KERNEL);
+	if (minor < 0) {
+		pci_err(pdev, "fgds: no minor number left (%d)\n", minor);
+		goto out;
+	}
+	gpu = kzalloc(sizeof(*gpu), GFP_KERNEL);
+	if (!gpu) {
+		ida_free(&fgds_minors, minor);
+		goto out;
+	}
+	gpu->pdev = pci_dev_get(pdev);
+	gpu->bar = bar;
+	gpu->bar_start = pci_resource_start(pdev, bar);
+	gpu->bar_bus = pci_bus_address(pdev, bar);
+	gpu->bar_len = pci_resource_len(pdev, bar);
+	mutex_init(&gpu->lock);
+	INIT_LIST_HEAD(&gpu->bufs);
+	mutex_init(&gpu->holds_lock);
+	xa_init(&gpu->holds);
+	INIT_LIST_HEAD(&gpu->zombies);
+	INIT_DELAYED_WORK(&gpu->reaper, fgds_reaper_fn);
+
+	device_initialize(&gpu->dev);
+	gpu->dev.class = fgds_class;
+	gpu->dev.parent = &pdev->dev;
+	gpu->dev.devt = MKDEV(MAJOR(fgds_devt), minor);
+	gpu->dev.groups = fgds_gpu_groups;
+	gpu->dev.release = fgds_gpu_release;
+	dev_set_drvdata(&gpu->dev, gpu);
+	ret = dev_set_name(&gpu->dev, "fgds_%04x_%02x_%02x_%x",
+			   pci_domain_nr(pdev->bus), pdev->bus->number,
+			   PCI_SLOT(pdev->devfn), PCI_FUNC(pdev->devfn));
+	if (ret)
+		goto err_put;
+	cdev_init(&gpu->cdev, &fgds_fops);
+	gpu->cdev.owner = THIS_MODULE;
+	ret = cdev_device_add(&gpu->cdev, &gpu->dev);
+	if (ret)
+		goto err_put;
+
+	list_add_tail(&gpu->list, &fgds_gpus);
+	pci_info(pdev, "fgds: /dev/%s over BAR %d (%pa bytes)\n",
+		 dev_name(&gpu->dev), bar, &gpu->bar_len);
+out:
+	mutex_unlock(&fgds_lock);
+	return;
+
+err_put:
+	pci_err(pdev, "fgds: cannot create the device node: %d\n", ret);
+	put_device(&gpu->dev);
+	mutex_unlock(&fgds_lock);
+}
+
+/* fgds_lock held. */
+static void fgds_gpu_remove(struct fgds_gpu *gpu)
+{
+	list_del(&gpu->list);
+	mutex_lock(&gpu->lock);
+	WRITE_ONCE(gpu->dead, true);
+	fgds_gpu_teardown_pages(gpu);
+	mutex_unlock(&gpu->lock);
+	cancel_delayed_work_sync(&gpu->reaper);
+	cdev_device_del(&gpu->cdev, &gpu->dev);
+	pci_info(gpu->pdev, "fgds: /dev/%s removed\n", dev_name(&gpu->dev));
+	put_device(&gpu->dev);
+}
+
+static void fgds_gpu_unbind(struct pci_dev *pdev)
+{
+	struct fgds_gpu *gpu;
+
+	mutex_lock(&fgds_lock);
+	gpu = fgds_find(pdev);
+	if (gpu) {
+		mutex_lock(&gpu->lock);
+		fgds_gpu_teardown_pages(gpu);
+		mutex_unlock(&gpu->lock);
+	}
+	mutex_unlock(&fgds_lock);
+}
+
+static int fgds_pci_notify(struct notifier_block *nb, unsigned long action,
+			   void *data)
+{
+	struct pci_dev *pdev = to_pci_dev(data);
+	struct fgds_gpu *gpu;
+
+	switch (action) {
+	case BUS_NOTIFY_ADD_DEVICE:
+		fgds_gpu_add(pdev);
+		break;
+	case BUS_NOTIFY_UNBIND_DRIVER:
+		/* Before the driver's remove() and its devres release. */
+		fgds_gpu_unbind(pdev);
+		break;
+	case BUS_NOTIFY_DEL_DEVICE:
+		mutex_lock(&fgds_lock);
+		gpu = fgds_find(pdev);
+		if (gpu)
+			fgds_gpu_remove(gpu);
+		mutex_unlock(&fgds_lock);
+		break;
+	}
+	return NOTIFY_DONE;
+}
+
+static struct notifier_block fgds_pci_nb = {
+	.notifier_call = fgds_pci_notify,
+};
+
+static int __init fgds_init(void)
+{
+	struct pci_dev *pdev = NULL;
+	int ret;
+
+	ret = alloc_chrdev_region(&fgds_devt, 0, FGDS_MAX_MINORS, "fgds");
+	if (ret)
+		return ret;
+	fgds_class = fgds_class_create("fgds");
+	if (IS_ERR(fgds_class)) {
+		ret = PTR_ERR(fgds_class);
+		goto err_region;
+	}
+	ret = bus_register_notifier(&pci_bus_type, &fgds_pci_nb);
+	if (ret)
+		goto err_class;
+	for_each_pci_dev(pdev)
+		fgds_gpu_add(pdev);
+	return 0;
+
+err_class:
+	class_destroy(fgds_class);
+err_region:
+	unregister_chrdev_region(fgds_devt, FGDS_MAX_MINORS);
+	return ret;
+}
+
+static void __exit fgds_exit(void)
+{
+	struct fgds_gpu *gpu, *tmp;
+
+	bus_unregister_notifier(&pci_bus_type, &fgds_pci_nb);
+	mutex_lock(&fgds_lock);
+	list_for_each_entry_safe(gpu, tmp, &fgds_gpus, list)
+		fgds_gpu_remove(gpu);
+	mutex_unlock(&fgds_lock);
+	class_destroy(fgds_class);
+	unregister_chrdev_region(fgds_devt, FGDS_MAX_MINORS);
+	ida_destroy(&fgds_minors);
+}
+
+module_init(fgds_init);
+module_exit(fgds_exit);
+
+FGDS_IMPORT_NS_DMA_BUF();
+MODULE_DESCRIPTION("Direct I/O between NVMe and GPU memory exported as dma-buf");
+MODULE_LICENSE("GPL");
