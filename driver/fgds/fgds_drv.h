@@ -77,7 +77,7 @@ struct fgds_gpu {
 	resource_size_t bar_len;
 	struct list_head list;
 
-	struct mutex lock;
+	struct mutex lock; /* see the kernel-doc above */
 	bool dead;
 	enum fgds_mode mode;
 	unsigned long gen;
@@ -90,7 +90,7 @@ struct fgds_gpu {
 	void *p2p_group;
 	struct list_head zombies;
 
-	struct mutex holds_lock;
+	struct mutex holds_lock; /* see the kernel-doc above */
 	struct xarray holds;
 	unsigned long nr_held;
 	struct delayed_work reaper;
@@ -107,7 +107,7 @@ struct fgds_gpu {
 struct fgds_file {
 	struct fgds_gpu *gpu;
 	struct address_space *mapping;
-	struct mutex lock;
+	struct mutex lock; /* see the kernel-doc above */
 	struct xarray bufs;
 	unsigned int nr;
 };
