@@ -468,8 +468,8 @@ bool fgds_pages_quiet(struct fgds_gpu *gpu, const struct fgds_extent *ext,
 	for (e = 0; e < nr_ext; e++) {
 		for (i = 0; i < ext[e].npages; i++) {
 			page = fgds_gpu_page(gpu, ext[e].bar_pg + i);
-			if (page_ref_count(page) -
-			    folio_mapcount(page_folio(page)) > idle)
+			if (page_ref_count(page) - fgds_page_mapcount(page) >
+			    idle)
 				return false;
 		}
 	}

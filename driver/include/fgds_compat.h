@@ -180,6 +180,16 @@ static inline struct dev_pagemap *fgds_get_dev_pagemap(unsigned long pfn)
 #endif
 #define FGDS_GENERIC_IDLE_REFS 1
 
+/* PTEs mapping a small page; folio_mapcount() is not exported in 6.1. */
+static inline int fgds_page_mapcount(struct page *page)
+{
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)
+	return folio_mapcount(page_folio(page));
+#else
+	return page_mapcount(page);
+#endif
+}
+
 
 /* --- end of importer side --- */
 
