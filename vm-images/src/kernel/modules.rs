@@ -27,9 +27,23 @@ pub(super) fn load_order_files(
     let read_optional = |name: &str| fs::read_to_string(dir.join(name)).unwrap_or_default();
     let modules = Modules {
         dep: parse_modules_dep(&dep_text),
-        builtin: parse_builtin(&read_optional("modules.builtin")),
+        builtin: parse_builtin(&read_optional("modules.builtin"))
+            .into_iter()
+            .chain(parse_builtin_modinfo(
+                &fs::read(dir.join("modules.builtin.modinfo")).unwrap_or_default(),
+            ))
+            .collect(),
         softdeps: parse_softdeps(&read_optional("modules.softdep")),
+        aliases: HashMap::new(),
     };
+    // Soft dependencies may name an alias ("crypto-crc32c"), as modprobe allows.
+    let wanted: HashSet<&String> = modules
+        .softdeps
+        .values()
+        .flat_map(|(pre, post)| pre.iter().chain(post))
+        .collect();
+    let aliases = parse_aliases(&read_optional("modules.alias"), &wanted);
+    let modules = Modules { aliases, ..modules };
     let order = load_order(&modules, names)?;
 
     // Decompressed copies go to a directory keyed by this modules.dep, so a re-prepared kernel
@@ -64,10 +78,13 @@ struct Modules {
     /// Module name (with '_') to its path relative to the modules dir and its dependencies'
     /// names.
     dep: HashMap<String, (String, Vec<String>)>,
-    /// Names of the modules built into the kernel.
+    /// Names of the modules built into the kernel (modules.builtin and
+    /// modules.builtin.modinfo).
     builtin: HashSet<String>,
-    /// Module name to its "pre:" and "post:" soft dependencies.
+    /// Module name to its "pre:" and "post:" soft dependencies (module names or aliases).
     softdeps: HashMap<String, (Vec<String>, Vec<String>)>,
+    /// Alias to the modules that have it; only the plain aliases soft dependencies name.
+    aliases: HashMap<String, Vec<String>>,
 }
 
 /// The paths (relative to the modules dir) to load for `names`, dependencies first, each once.
@@ -121,7 +138,9 @@ fn visit(
         None => (&[][..], &[][..]),
     };
     for dep in pre {
-        visit(modules, dep, done, stack, order)?;
+        for dep in resolve_softdep(modules, dep) {
+            visit(modules, &dep, done, stack, order)?;
+        }
     }
     for dep in deps {
         if !modules.dep.contains_key(dep) {
@@ -135,9 +154,54 @@ fn visit(
     done.insert(name.to_owned());
     order.push(path.clone());
     for dep in post {
-        visit(modules, dep, done, stack, order)?;
+        for dep in resolve_softdep(modules, dep) {
+            visit(modules, &dep, done, stack, order)?;
+        }
     }
     Ok(())
+}
+
+/// The modules a soft dependency names: the module of that name, else the modules with that
+/// alias. Of several, only the `*_generic` ones if there are any: they always load, whereas the
+/// CPU-specific ones (crc32c_intel) fail on CPUs without the feature, such as TCG's.
+/// Soft dependencies that are built in or absent resolve to nothing: they are optional.
+fn resolve_softdep(modules: &Modules, name: &str) -> Vec<String> {
+    if modules.dep.contains_key(name) {
+        return vec![name.to_owned()];
+    }
+    let Some(providers) = modules.aliases.get(name) else {
+        return Vec::new();
+    };
+    if providers.iter().any(|it| modules.builtin.contains(it)) {
+        return Vec::new();
+    }
+    let mut providers: Vec<String> = providers
+        .iter()
+        .filter(|it| modules.dep.contains_key(*it))
+        .cloned()
+        .collect();
+    if providers.iter().any(|it| it.ends_with("_generic")) {
+        providers.retain(|it| it.ends_with("_generic"));
+    }
+    providers.sort();
+    providers
+}
+
+/// Parses `modules.alias` lines (`alias <pattern> <module>`), keeping the aliases in `wanted`.
+fn parse_aliases(text: &str, wanted: &HashSet<&String>) -> HashMap<String, Vec<String>> {
+    let mut res: HashMap<String, Vec<String>> = HashMap::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        let (Some("alias"), Some(alias), Some(module)) = (words.next(), words.next(), words.next())
+        else {
+            continue;
+        };
+        let alias = normalize(alias);
+        if wanted.contains(&alias) {
+            res.entry(alias).or_default().push(normalize(module));
+        }
+    }
+    res
 }
 
 /// The module name of a path or name: the file name without `.ko[.xz|.zst|.gz]`, with '-'
@@ -168,6 +232,19 @@ fn parse_builtin(text: &str) -> HashSet<String> {
         .map(str::trim)
         .filter(|it| !it.is_empty())
         .map(normalize)
+        .collect()
+}
+
+/// Names in `modules.builtin.modinfo` (NUL-separated `name.key=value` records). Unlike
+/// modules.builtin, it also knows built-in drivers whose option is a bool (udmabuf in 6.x).
+fn parse_builtin_modinfo(bytes: &[u8]) -> HashSet<String> {
+    bytes
+        .split(|&b| b == 0)
+        .filter_map(|record| {
+            let name = &record[..record.iter().position(|&b| b == b'.')?];
+            Some(normalize(&String::from_utf8_lossy(name)))
+        })
+        .filter(|it| !it.is_empty())
         .collect()
 }
 
@@ -277,6 +354,7 @@ kernel/fs/jbd2/jbd2.ko.xz:
 kernel/fs/mbcache.ko.xz:
 kernel/lib/crc16.ko.xz:
 kernel/crypto/crc32c_generic.ko.xz:
+kernel/arch/x86/crypto/crc32c-intel.ko.xz:
 kernel/drivers/misc/pvpanic/pvpanic-pci.ko.xz: kernel/drivers/misc/pvpanic/pvpanic.ko.xz
 kernel/drivers/misc/pvpanic/pvpanic.ko.xz:
 ";
@@ -286,8 +364,15 @@ kernel/drivers/dma-buf/udmabuf.ko
 ";
     const SOFTDEP: &str = "\
 # Soft dependencies extracted from modules themselves.
-softdep ext4 pre: crc32c
+softdep ext4 pre: crypto-crc32c
 softdep nvme_core pre: crc32c_generic post: hkdf
+softdep mbcache pre: nosuch
+";
+    const ALIAS: &str = "\
+alias crypto-crc32c crc32c_intel
+alias crypto-crc32c crc32c_generic
+alias crc32c crc32c_generic
+alias pci:v00001B36d00000011sv*sd*bc*sc*i* pvpanic_pci
 ";
 
     fn modules() -> Modules {
@@ -295,6 +380,12 @@ softdep nvme_core pre: crc32c_generic post: hkdf
             dep: parse_modules_dep(MODULES_DEP),
             builtin: parse_builtin(BUILTIN),
             softdeps: parse_softdeps(SOFTDEP),
+            aliases: parse_aliases(
+                ALIAS,
+                &["crypto_crc32c".to_owned(), "nosuch".to_owned()]
+                    .iter()
+                    .collect(),
+            ),
         }
     }
 
@@ -318,11 +409,13 @@ softdep nvme_core pre: crc32c_generic post: hkdf
 
     #[test]
     fn leaves_out_builtins_and_absent_softdeps() {
-        // crc32c (ext4's softdep) is neither a module nor built in here: it is optional.
+        // mbcache's softdep "nosuch" is neither a module nor an alias: it is optional. ext4's
+        // "crypto-crc32c" is an alias of two modules; the generic one is taken.
         let order = load_order(&modules(), &["virtio_console", "ext4", "udmabuf", "jbd2"]).unwrap();
         assert_eq!(
             order,
             [
+                "kernel/crypto/crc32c_generic.ko.xz",
                 "kernel/fs/jbd2/jbd2.ko.xz",
                 "kernel/fs/mbcache.ko.xz",
                 "kernel/lib/crc16.ko.xz",
@@ -344,6 +437,17 @@ softdep nvme_core pre: crc32c_generic post: hkdf
             .unwrap_err()
             .to_string();
         assert!(err.contains("nosuch, fgds"), "{err}");
+    }
+
+    #[test]
+    fn reads_builtin_modinfo() {
+        let modinfo =
+            b"virtio_console.license=GPL\0virtio_console.file=drivers/char/virtio_console\0\
+                        udmabuf.parm=list_limit:limit. Default is 1024.\0";
+        let names = parse_builtin_modinfo(modinfo);
+        let mut names: Vec<&str> = names.iter().map(String::as_str).collect();
+        names.sort();
+        assert_eq!(names, ["udmabuf", "virtio_console"]);
     }
 
     #[test]

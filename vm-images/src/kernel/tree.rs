@@ -130,14 +130,16 @@ fn install_modules(dir: &Path, release: &str, out: &Path, log: &Path) -> anyhow:
     Ok(modules_dir)
 }
 
-/// A kernel without module support: an empty modules dir whose modules.builtin lists what the
-/// tree built in.
+/// A kernel without module support: an empty modules dir whose modules.builtin{,.modinfo}
+/// list what the tree built in.
 fn no_modules(dir: &Path, release: &str, out: &Path) -> anyhow::Result<PathBuf> {
     let modules_dir = out.join("lib/modules").join(release);
     fs::create_dir_all(&modules_dir)
         .with_context(|| format!("cannot create {}", modules_dir.display()))?;
     let builtin = fs::read_to_string(dir.join("modules.builtin")).unwrap_or_default();
     fs::write(modules_dir.join("modules.builtin"), builtin)?;
+    let modinfo = fs::read(dir.join("modules.builtin.modinfo")).unwrap_or_default();
+    fs::write(modules_dir.join("modules.builtin.modinfo"), modinfo)?;
     fs::write(modules_dir.join("modules.dep"), "")?;
     Ok(modules_dir)
 }
