@@ -76,7 +76,10 @@ fn marker<'a>(line: &'a str, prefix: &str) -> Option<&'a str> {
 /// The last `n` lines of `log`, for a report when the guest died without a splat.
 pub fn tail(log: &str, n: usize) -> Vec<String> {
     let lines = log.lines().collect::<Vec<_>>();
-    lines[lines.len().saturating_sub(n)..].iter().map(|l| (*l).to_owned()).collect()
+    lines[lines.len().saturating_sub(n)..]
+        .iter()
+        .map(|l| (*l).to_owned())
+        .collect()
 }
 
 #[cfg(test)]
@@ -94,7 +97,11 @@ mod tests {
 [ 3.0] BUG: KASAN: use-after-free in g
 ";
         let found = splats(log);
-        assert_eq!(found.len(), 2, "the Call Trace belongs to the WARNING; the BUG is a report of its own");
+        assert_eq!(
+            found.len(),
+            2,
+            "the Call Trace belongs to the WARNING; the BUG is a report of its own"
+        );
         assert_eq!(found[0].test.as_deref(), Some("smoke"));
         assert!(found[0].line.contains("WARNING:"));
         assert_eq!(found[1].test, None);
@@ -102,6 +109,9 @@ mod tests {
 
     #[test]
     fn clean_log_has_no_splats() {
-        assert!(splats("[ 0.1] Linux version 6.12\n[ 0.2] fgds-rig: begin a\n[ 0.3] fgds-rig: end a\n").is_empty());
+        assert!(
+            splats("[ 0.1] Linux version 6.12\n[ 0.2] fgds-rig: begin a\n[ 0.3] fgds-rig: end a\n")
+                .is_empty()
+        );
     }
 }

@@ -33,9 +33,17 @@ pub struct Document {
 
 /// Parses `text`; lines before the first version line are ignored.
 pub fn parse(text: &str) -> Document {
-    let lines = text.lines().map(|l| l.trim_end_matches('\r')).collect::<Vec<_>>();
-    let start = lines.iter().position(|l| is_version(l.trim_start())).map_or(lines.len(), |i| i + 1);
-    let indent = lines.get(start.wrapping_sub(1)).map_or(0, |l| l.len() - l.trim_start().len());
+    let lines = text
+        .lines()
+        .map(|l| l.trim_end_matches('\r'))
+        .collect::<Vec<_>>();
+    let start = lines
+        .iter()
+        .position(|l| is_version(l.trim_start()))
+        .map_or(lines.len(), |i| i + 1);
+    let indent = lines
+        .get(start.wrapping_sub(1))
+        .map_or(0, |l| l.len() - l.trim_start().len());
     let mut pos = start;
     parse_block(&lines, &mut pos, indent)
 }
@@ -128,8 +136,19 @@ fn parse_result(line: &str) -> Option<Test> {
     } else {
         Status::Fail
     };
-    let directive = if matches!(status, Status::Skip(_)) { String::new() } else { directive.to_owned() };
-    Some(Test { number, name, status, directive, diagnostics: Vec::new(), subtests: Vec::new() })
+    let directive = if matches!(status, Status::Skip(_)) {
+        String::new()
+    } else {
+        directive.to_owned()
+    };
+    Some(Test {
+        number,
+        name,
+        status,
+        directive,
+        diagnostics: Vec::new(),
+        subtests: Vec::new(),
+    })
 }
 
 #[cfg(test)]
@@ -163,13 +182,26 @@ ok 3 partial # TIMEOUT 5 seconds
         assert_eq!(tests.len(), 4);
         assert_eq!(tests[0].status, Status::Pass);
         let smoke = &tests[1];
-        assert_eq!((smoke.name.as_str(), &smoke.status, smoke.directive.as_str()), ("smoke", &Status::Fail, "exit=1"));
+        assert_eq!(
+            (smoke.name.as_str(), &smoke.status, smoke.directive.as_str()),
+            ("smoke", &Status::Fail, "exit=1")
+        );
         assert_eq!(smoke.subtests.len(), 3);
         assert_eq!(smoke.subtests[1].status, Status::Fail);
-        assert_eq!(smoke.subtests[1].diagnostics, vec!["b: data differs".to_owned()]);
-        assert_eq!(smoke.subtests[2].status, Status::Skip("no udmabuf".to_owned()));
+        assert_eq!(
+            smoke.subtests[1].diagnostics,
+            vec!["b: data differs".to_owned()]
+        );
+        assert_eq!(
+            smoke.subtests[2].status,
+            Status::Skip("no udmabuf".to_owned())
+        );
         let partial = &tests[2];
-        assert_eq!(partial.status, Status::Fail, "a TIMEOUT result fails even when `ok`");
+        assert_eq!(
+            partial.status,
+            Status::Fail,
+            "a TIMEOUT result fails even when `ok`"
+        );
         assert_eq!(partial.subtests.len(), 2);
         assert_eq!(partial.subtests[1].status, Status::Missing);
         assert_eq!(tests[3].status, Status::Missing);

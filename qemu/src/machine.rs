@@ -72,23 +72,75 @@ pub fn args(config: &Config) -> Vec<String> {
     };
     let mut args = Vec::new();
     let mut push = |items: &[&str]| args.extend(items.iter().map(|s| (*s).to_owned()));
-    push(&["-machine", "q35", "-accel", accel, "-nodefaults", "-no-reboot", "-display", "none"]);
-    push(&["-cpu", if config.accel == Accel::Kvm { "host" } else { "qemu64" }]);
-    push(&["-smp", &config.cpus.to_string(), "-m", &format!("{}M", config.memory_mib)]);
-    push(&["-kernel", &path(&config.kernel), "-initrd", &path(&config.initrd)]);
-    push(&["-append", &format!("{BASE_CMDLINE} {}", config.cmdline).trim().to_owned()]);
-    push(&["-chardev", &format!("file,id=console,path={}", path(&files.console))]);
+    push(&[
+        "-machine",
+        "q35",
+        "-accel",
+        accel,
+        "-nodefaults",
+        "-no-reboot",
+        "-display",
+        "none",
+    ]);
+    push(&[
+        "-cpu",
+        if config.accel == Accel::Kvm {
+            "host"
+        } else {
+            "qemu64"
+        },
+    ]);
+    push(&[
+        "-smp",
+        &config.cpus.to_string(),
+        "-m",
+        &format!("{}M", config.memory_mib),
+    ]);
+    push(&[
+        "-kernel",
+        &path(&config.kernel),
+        "-initrd",
+        &path(&config.initrd),
+    ]);
+    push(&[
+        "-append",
+        &format!("{BASE_CMDLINE} {}", config.cmdline)
+            .trim()
+            .to_owned(),
+    ]);
+    push(&[
+        "-chardev",
+        &format!("file,id=console,path={}", path(&files.console)),
+    ]);
     push(&["-serial", "chardev:console"]);
     push(&["-device", "virtio-serial-pci,id=vser"]);
-    push(&["-chardev", &format!("file,id=ktap,path={}", path(&files.ktap))]);
-    push(&["-device", "virtserialport,bus=vser.0,chardev=ktap,name=fgds.ktap"]);
-    push(&["-qmp", &format!("unix:{},server=on,wait=off", path(&files.qmp))]);
+    push(&[
+        "-chardev",
+        &format!("file,id=ktap,path={}", path(&files.ktap)),
+    ]);
+    push(&[
+        "-device",
+        "virtserialport,bus=vser.0,chardev=ktap,name=fgds.ktap",
+    ]);
+    push(&[
+        "-qmp",
+        &format!("unix:{},server=on,wait=off", path(&files.qmp)),
+    ]);
     push(&["-device", "pvpanic-pci"]);
     // The switch: root port -> upstream port -> two downstream ports (hot-pluggable slots).
-    push(&["-device", "pcie-root-port,id=rp0,bus=pcie.0,chassis=1,slot=1"]);
+    push(&[
+        "-device",
+        "pcie-root-port,id=rp0,bus=pcie.0,chassis=1,slot=1",
+    ]);
     push(&["-device", "x3130-upstream,id=up0,bus=rp0"]);
-    push(&["-device", "xio3130-downstream,id=dn0,bus=up0,chassis=2,slot=0"]);
-    push(&["-device", "xio3130-downstream,id=dn1,bus=up0,chassis=3,slot=0"]);
+    push(&[
+        "-device",
+        "xio3130-downstream,id=dn0,bus=up0,chassis=2,slot=0",
+    ]);
+    push(&[
+        "-device",
+        "xio3130-downstream,id=dn1,bus=up0,chassis=3,slot=0",
+    ]);
     push(&[
         "-blockdev",
         &format!(
@@ -96,7 +148,10 @@ pub fn args(config: &Config) -> Vec<String> {
             path(&config.nvme_image)
         ),
     ]);
-    push(&["-device", &format!("nvme,id={NVME_ID},serial=fgds0,drive=nvme0-disk,bus=dn0")]);
+    push(&[
+        "-device",
+        &format!("nvme,id={NVME_ID},serial=fgds0,drive=nvme0-disk,bus=dn0"),
+    ]);
     push(&[
         "-object",
         &format!(
@@ -105,7 +160,10 @@ pub fn args(config: &Config) -> Vec<String> {
             path(&config.gpu_backing)
         ),
     ]);
-    push(&["-device", &format!("ivshmem-plain,id={GPU_ID},memdev=vram0,bus=dn1")]);
+    push(&[
+        "-device",
+        &format!("ivshmem-plain,id={GPU_ID},memdev=vram0,bus=dn1"),
+    ]);
     args
 }
 
@@ -135,7 +193,8 @@ pub fn start(config: &Config) -> anyhow::Result<Machine> {
     for stale in [&files.console, &files.ktap, &files.qmp] {
         let _ = std::fs::remove_file(stale);
     }
-    let log = File::create(&files.qemu_log).with_context(|| format!("cannot create {}", files.qemu_log.display()))?;
+    let log = File::create(&files.qemu_log)
+        .with_context(|| format!("cannot create {}", files.qemu_log.display()))?;
     let args = args(config);
     std::fs::write(config.run_dir.join("qemu.cmdline"), shell_words(&args))?;
     let child = Command::new("qemu-system-x86_64")
@@ -145,11 +204,18 @@ pub fn start(config: &Config) -> anyhow::Result<Machine> {
         .stderr(log)
         .spawn()
         .context("cannot start qemu-system-x86_64: is the qemu-system-x86 package installed?")?;
-    Ok(Machine { child, files, started: Instant::now() })
+    Ok(Machine {
+        child,
+        files,
+        started: Instant::now(),
+    })
 }
 
 fn shell_words(args: &[String]) -> String {
-    let quoted = args.iter().map(|a| format!("'{}'", a.replace('\'', r"'\''"))).collect::<Vec<_>>();
+    let quoted = args
+        .iter()
+        .map(|a| format!("'{}'", a.replace('\'', r"'\''")))
+        .collect::<Vec<_>>();
     format!("qemu-system-x86_64 {}\n", quoted.join(" "))
 }
 
@@ -159,7 +225,9 @@ impl Machine {
     pub fn wait(&mut self, limit: Duration, mut on_tick: impl FnMut()) -> anyhow::Result<Exit> {
         loop {
             if let Some(status) = self.child.try_wait().context("waitpid on QEMU")? {
-                return Ok(Exit::Exited { code: status.code() });
+                return Ok(Exit::Exited {
+                    code: status.code(),
+                });
             }
             if self.started.elapsed() > limit {
                 self.stop();
@@ -203,7 +271,10 @@ impl Drop for Machine {
 pub fn check_qemu_log(files: &RunFiles) -> anyhow::Result<()> {
     let log = std::fs::read_to_string(&files.qemu_log).unwrap_or_default();
     if let Some(line) = log.lines().find(|l| l.contains("qemu-system-x86_64:")) {
-        bail!("QEMU reported: {line} (full log: {})", files.qemu_log.display());
+        bail!(
+            "QEMU reported: {line} (full log: {})",
+            files.qemu_log.display()
+        );
     }
     Ok(())
 }

@@ -36,13 +36,18 @@ pub fn connect(path: &Path, timeout: Duration) -> anyhow::Result<Session> {
 impl Session {
     /// The run state QEMU reports (`running`, `paused`, `guest-panicked`, ...).
     pub fn status(&mut self) -> anyhow::Result<String> {
-        let info = self.qmp.execute(&qmp::query_status {}).context("query-status failed")?;
+        let info = self
+            .qmp
+            .execute(&qmp::query_status {})
+            .context("query-status failed")?;
         Ok(format!("{:?}", info.status).to_lowercase())
     }
 
     /// Asks the guest to power off (ACPI), as a person pressing the power button would.
     pub fn powerdown(&mut self) -> anyhow::Result<()> {
-        self.qmp.execute(&qmp::system_powerdown {}).context("system_powerdown failed")?;
+        self.qmp
+            .execute(&qmp::system_powerdown {})
+            .context("system_powerdown failed")?;
         Ok(())
     }
 
@@ -55,6 +60,8 @@ impl Session {
     /// Whether QEMU reported a guest panic (pvpanic) among the events received so far.
     pub fn guest_panicked(&mut self) -> bool {
         let _ = self.qmp.nop();
-        self.qmp.events().any(|event| matches!(event, qmp::Event::GUEST_PANICKED { .. }))
+        self.qmp
+            .events()
+            .any(|event| matches!(event, qmp::Event::GUEST_PANICKED { .. }))
     }
 }

@@ -17,7 +17,18 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
     let mut outcomes = Vec::new();
     let steps: &[(&str, &[&str])] = &[
         ("ci::cargo-fmt", &["fmt", "--all", "--check"]),
-        ("ci::cargo-clippy", &["clippy", "--workspace", "--all-targets", "--quiet", "--", "-D", "warnings"]),
+        (
+            "ci::cargo-clippy",
+            &[
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--quiet",
+                "--",
+                "-D",
+                "warnings",
+            ],
+        ),
         ("ci::cargo-test", &["test", "--workspace", "--quiet"]),
     ];
     for (name, args) in steps {
@@ -26,8 +37,15 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
             .current_dir(&root)
             .args(*args)
             .status()?;
-        let verdict = if status.success() { Verdict::Pass } else { Verdict::Fail(format!("cargo {} failed", args.join(" "))) };
-        outcomes.push(Outcome { name: (*name).to_owned(), verdict });
+        let verdict = if status.success() {
+            Verdict::Pass
+        } else {
+            Verdict::Fail(format!("cargo {} failed", args.join(" ")))
+        };
+        outcomes.push(Outcome {
+            name: (*name).to_owned(),
+            verdict,
+        });
     }
     for kernel in &opts.kernels {
         let vm_opts = vm::Options {
@@ -39,9 +57,16 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
         };
         match vm::run_kernel(&vm_opts) {
             Ok(mut o) => outcomes.append(&mut o),
-            Err(err) => outcomes.push(Outcome { name: format!("{kernel}::run"), verdict: Verdict::Fail(format!("{err:#}")) }),
+            Err(err) => outcomes.push(Outcome {
+                name: format!("{kernel}::run"),
+                verdict: Verdict::Fail(format!("{err:#}")),
+            }),
         }
     }
     let passed = report::print(outcomes);
-    Ok(if passed { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

@@ -16,7 +16,8 @@ pub fn build(kernel: &Kernel, out_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let src = crate::project_root().join("driver");
     let copy = out_dir.join("driver");
     if copy.exists() {
-        std::fs::remove_dir_all(&copy).with_context(|| format!("cannot clean {}", copy.display()))?;
+        std::fs::remove_dir_all(&copy)
+            .with_context(|| format!("cannot clean {}", copy.display()))?;
     }
     copy_sources(&src, &copy)?;
     let log_path = out_dir.join("build.log");
@@ -25,17 +26,28 @@ pub fn build(kernel: &Kernel, out_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
         .arg(&kernel.kdir)
         .arg(format!("M={}", copy.display()))
         .args(&kernel.make_vars)
-        .arg(format!("-j{}", std::thread::available_parallelism().map_or(2, |n| n.get())))
+        .arg(format!(
+            "-j{}",
+            std::thread::available_parallelism().map_or(2, |n| n.get())
+        ))
         .arg("modules")
         .output()
         .context("cannot run make: is the make package installed?")?;
-    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
     std::fs::write(&log_path, &text)?;
     for line in text.lines().filter(|l| is_diagnostic(l)) {
         eprintln!("  {line}");
     }
     if !output.status.success() {
-        bail!("the driver does not build against {} (full log: {})", kernel.release, log_path.display());
+        bail!(
+            "the driver does not build against {} (full log: {})",
+            kernel.release,
+            log_path.display()
+        );
     }
     RIG_MODULES
         .iter()
@@ -44,7 +56,10 @@ pub fn build(kernel: &Kernel, out_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
             if ko.exists() {
                 Ok(ko)
             } else {
-                bail!("the driver build made no {name}.ko (log: {})", log_path.display())
+                bail!(
+                    "the driver build made no {name}.ko (log: {})",
+                    log_path.display()
+                )
             }
         })
         .collect()
@@ -54,7 +69,11 @@ pub fn build(kernel: &Kernel, out_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
 /// progress lines (`make[1]: Entering ...`, `  CC [M]  ...`).
 fn is_diagnostic(line: &str) -> bool {
     let quiet_step = line.starts_with("  ")
-        && line.trim_start().split_whitespace().next().is_some_and(|w| w.chars().all(|c| c.is_ascii_uppercase()));
+        && line
+            .trim_start()
+            .split_whitespace()
+            .next()
+            .is_some_and(|w| w.chars().all(|c| c.is_ascii_uppercase()));
     !(line.starts_with("make") || quiet_step || line.trim().is_empty())
 }
 
@@ -66,8 +85,13 @@ fn copy_sources(src: &Path, dst: &Path) -> anyhow::Result<()> {
         let path = entry.path();
         if entry.file_type()?.is_dir() {
             copy_sources(&path, &dst.join(&name))?;
-        } else if name == "Kbuild" || name == "Makefile" || name.ends_with(".c") || name.ends_with(".h") {
-            std::fs::copy(&path, dst.join(&name)).with_context(|| format!("cannot copy {}", path.display()))?;
+        } else if name == "Kbuild"
+            || name == "Makefile"
+            || name.ends_with(".c")
+            || name.ends_with(".h")
+        {
+            std::fs::copy(&path, dst.join(&name))
+                .with_context(|| format!("cannot copy {}", path.display()))?;
         }
     }
     Ok(())
@@ -82,7 +106,9 @@ mod tests {
         assert!(!is_diagnostic("make[1]: Entering directory '/x'"));
         assert!(!is_diagnostic("  CC [M]  /x/fgds/fgds.o"));
         assert!(!is_diagnostic("  MODPOST /x/Module.symvers"));
-        assert!(is_diagnostic("/x/fgds/fgds.c:10:5: warning: unused variable 'x' [-Wunused-variable]"));
+        assert!(is_diagnostic(
+            "/x/fgds/fgds.c:10:5: warning: unused variable 'x' [-Wunused-variable]"
+        ));
         assert!(is_diagnostic("   10 |     int x;"));
     }
 }

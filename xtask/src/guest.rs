@@ -22,12 +22,25 @@ pub struct SuiteEntry {
     pub timeout_secs: u64,
 }
 
-/// Builds the init and the test binaries, static, in release mode; returns their directory.
+/// Builds the init, the test binaries and the `fgds` CLI, static, in release mode; returns their directory.
 pub fn build_binaries() -> anyhow::Result<PathBuf> {
     let root = crate::project_root();
     let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
         .current_dir(&root)
-        .args(["build", "--quiet", "--release", "--target", GUEST_TARGET, "-p", "fgds-init", "-p", "fgds-tests", "--bins"])
+        .args([
+            "build",
+            "--quiet",
+            "--release",
+            "--target",
+            GUEST_TARGET,
+            "-p",
+            "fgds-init",
+            "-p",
+            "fgds-tests",
+            "-p",
+            "fgds",
+            "--bins",
+        ])
         .env("RUSTFLAGS", "-C target-feature=+crt-static")
         .status()
         .context("cannot run cargo")?;
@@ -40,12 +53,26 @@ pub fn build_binaries() -> anyhow::Result<PathBuf> {
 /// The default suite, from tests/suite.txt (`name timeout-seconds` per line, in run order).
 pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
     let path = crate::project_root().join("tests/suite.txt");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
     let mut suite = Vec::new();
-    for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
-        let (name, timeout) = line.split_once(char::is_whitespace).unwrap_or((line, "120"));
-        let timeout_secs = timeout.trim().parse().with_context(|| format!("bad timeout in {}: {line:?}", path.display()))?;
-        suite.push(SuiteEntry { name: name.to_owned(), path: bin_dir.join(name), timeout_secs });
+    for line in text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
+        let (name, timeout) = line
+            .split_once(char::is_whitespace)
+            .unwrap_or((line, "120"));
+        let timeout_secs = timeout
+            .trim()
+            .parse()
+            .with_context(|| format!("bad timeout in {}: {line:?}", path.display()))?;
+        suite.push(SuiteEntry {
+            name: name.to_owned(),
+            path: bin_dir.join(name),
+            timeout_secs,
+        });
     }
     Ok(suite)
 }
@@ -55,8 +82,15 @@ pub fn exec_entry(path: &Path, timeout_secs: u64) -> anyhow::Result<SuiteEntry> 
     if !path.is_file() {
         bail!("--exec {}: no such file", path.display());
     }
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    Ok(SuiteEntry { name: format!("exec:{name}"), path: path.to_path_buf(), timeout_secs })
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Ok(SuiteEntry {
+        name: format!("exec:{name}"),
+        path: path.to_path_buf(),
+        timeout_secs,
+    })
 }
 
 /// The rig's modules with their parameters.
@@ -76,7 +110,17 @@ pub fn make_initramfs(
 ) -> anyhow::Result<String> {
     let mut tree = initramfs::base_tree();
     let mut plan = String::new();
-    tree.insert("init".to_owned(), Entry::File { source: bin_dir.join("fgds-init"), mode: 0o755 });
+    tree.insert(
+        "init".to_owned(),
+        Entry::File {
+            source: bin_dir.join("fgds-init"),
+            mode: 0o755,
+        },
+    );
+    tree.insert(
+        "bin/fgds".to_owned(),
+        Entry::File { source: bin_dir.join("fgds"), mode: 0o755 },
+    );
 
     let mut names = KERNEL_MODULES.to_vec();
     for (config, name) in OPTIONAL_KERNEL_MODULES {
@@ -88,25 +132,62 @@ pub fn make_initramfs(
         let file = file_name(&ko);
         let guest = format!("modules/kernel/{file}");
         plan.push_str(&format!("module kernel /{guest}\n"));
-        tree.insert(guest, Entry::File { source: ko, mode: 0o644 });
+        tree.insert(
+            guest,
+            Entry::File {
+                source: ko,
+                mode: 0o644,
+            },
+        );
     }
     for module in rig_modules {
         let guest = format!("modules/rig/{}", file_name(&module.ko));
-        plan.push_str(&format!("module rig /{guest} {}\n", module.params).trim_end().to_owned());
+        plan.push_str(
+            &format!("module rig /{guest} {}\n", module.params)
+                .trim_end()
+                .to_owned(),
+        );
         plan.push('\n');
-        tree.insert(guest, Entry::File { source: module.ko.clone(), mode: 0o644 });
+        tree.insert(
+            guest,
+            Entry::File {
+                source: module.ko.clone(),
+                mode: 0o644,
+            },
+        );
     }
     for entry in suite {
-        let dir = if entry.name.starts_with("exec:") { "exec" } else { "tests" };
+        let dir = if entry.name.starts_with("exec:") {
+            "exec"
+        } else {
+            "tests"
+        };
         let guest = format!("{dir}/{}", file_name(&entry.path));
-        plan.push_str(&format!("test {} /{guest} {}\n", entry.name, entry.timeout_secs));
-        tree.insert(guest, Entry::File { source: entry.path.clone(), mode: 0o755 });
+        plan.push_str(&format!(
+            "test {} /{guest} {}\n",
+            entry.name, entry.timeout_secs
+        ));
+        tree.insert(
+            guest,
+            Entry::File {
+                source: entry.path.clone(),
+                mode: 0o755,
+            },
+        );
     }
-    tree.insert("etc/fgds/plan".to_owned(), Entry::Data { bytes: plan.clone().into_bytes(), mode: 0o644 });
+    tree.insert(
+        "etc/fgds/plan".to_owned(),
+        Entry::Data {
+            bytes: plan.clone().into_bytes(),
+            mode: 0o644,
+        },
+    );
     initramfs::write(&tree, out)?;
     Ok(plan)
 }
 
 fn file_name(path: &Path) -> String {
-    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }

@@ -11,7 +11,11 @@ pub const VM_PACKAGES: &[&str] = &["qemu-system-x86", "make", "gcc", "kmod", "xz
 
 /// Installs whichever of `packages` are missing, with apt-get (as root).
 pub fn ensure_packages(packages: &[&str]) -> anyhow::Result<()> {
-    let missing = packages.iter().copied().filter(|p| !is_installed(p)).collect::<Vec<_>>();
+    let missing = packages
+        .iter()
+        .copied()
+        .filter(|p| !is_installed(p))
+        .collect::<Vec<_>>();
     if missing.is_empty() {
         return Ok(());
     }
@@ -30,7 +34,10 @@ pub fn ensure_packages(packages: &[&str]) -> anyhow::Result<()> {
         return Ok(());
     }
     if !apt(&["update", "-q"])? || !apt(&install)? {
-        bail!("apt-get install {} failed: run it as root and look at its output", missing.join(" "));
+        bail!(
+            "apt-get install {} failed: run it as root and look at its output",
+            missing.join(" ")
+        );
     }
     Ok(())
 }
@@ -62,7 +69,11 @@ pub struct Phases {
 
 impl Phases {
     /// Runs `f` as phase `name`.
-    pub fn run<T>(&mut self, name: &'static str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    pub fn run<T>(
+        &mut self,
+        name: &'static str,
+        f: impl FnOnce() -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
         let started = Instant::now();
         let res = f();
         self.done.push((name, started.elapsed()));
@@ -74,7 +85,11 @@ impl Phases {
     }
 
     pub fn summary(&self) -> String {
-        let parts = self.done.iter().map(|(name, d)| format!("{name} {:.1}s", d.as_secs_f64())).collect::<Vec<_>>();
+        let parts = self
+            .done
+            .iter()
+            .map(|(name, d)| format!("{name} {:.1}s", d.as_secs_f64()))
+            .collect::<Vec<_>>();
         parts.join(", ")
     }
 }

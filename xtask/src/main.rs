@@ -17,7 +17,11 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "cargo xtask", about = "Build, boot and test fgds", arg_required_else_help = true)]
+#[command(
+    name = "cargo xtask",
+    about = "Build, boot and test fgds",
+    arg_required_else_help = true
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -51,5 +55,8 @@ fn main() -> std::process::ExitCode {
 
 /// The workspace root (the parent of xtask/).
 fn project_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
 }

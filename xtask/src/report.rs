@@ -61,27 +61,49 @@ pub fn outcomes(run: &RunArtifacts) -> Vec<Outcome> {
     for test in &tests {
         let prefix = format!("{}::{}", run.label, test.name);
         for sub in &test.subtests {
-            out.push(Outcome { name: format!("{prefix}::{}", sub.name), verdict: verdict(sub, &crash_context) });
+            out.push(Outcome {
+                name: format!("{prefix}::{}", sub.name),
+                verdict: verdict(sub, &crash_context),
+            });
         }
         let mut v = verdict(test, &crash_context);
-        let charged = splats.iter().filter(|s| s.test.as_deref() == Some(test.name.as_str())).collect::<Vec<_>>();
+        let charged = splats
+            .iter()
+            .filter(|s| s.test.as_deref() == Some(test.name.as_str()))
+            .collect::<Vec<_>>();
         if !charged.is_empty() {
             v = Verdict::Fail(splat_report(&charged));
         }
-        out.push(Outcome { name: prefix, verdict: v });
+        out.push(Outcome {
+            name: prefix,
+            verdict: v,
+        });
     }
 
-    let uncharged = splats.iter().filter(|s| s.test.is_none()).collect::<Vec<_>>();
+    let uncharged = splats
+        .iter()
+        .filter(|s| s.test.is_none())
+        .collect::<Vec<_>>();
     out.push(Outcome {
         name: format!("{}::console", run.label),
-        verdict: if uncharged.is_empty() { Verdict::Pass } else { Verdict::Fail(splat_report(&uncharged)) },
+        verdict: if uncharged.is_empty() {
+            Verdict::Pass
+        } else {
+            Verdict::Fail(splat_report(&uncharged))
+        },
     });
     out.push(Outcome {
         name: format!("{}::vm", run.label),
         verdict: match (&run.machine_problem, started, finished) {
             (Some(problem), _, _) => Verdict::Fail(format!("{problem}\n{}", crash_context())),
-            (None, false, _) => Verdict::Fail(format!("the guest reported nothing (no KTAP)\n{}", crash_context())),
-            (None, true, false) => Verdict::Fail(format!("the guest stopped before the end of the suite\n{}", crash_context())),
+            (None, false, _) => Verdict::Fail(format!(
+                "the guest reported nothing (no KTAP)\n{}",
+                crash_context()
+            )),
+            (None, true, false) => Verdict::Fail(format!(
+                "the guest stopped before the end of the suite\n{}",
+                crash_context()
+            )),
             (None, true, true) => Verdict::Pass,
         },
     });
@@ -104,16 +126,31 @@ fn verdict(test: &Test, crash_context: &dyn Fn() -> String) -> Verdict {
     let diags = test.diagnostics.join("\n");
     match &test.status {
         Status::Pass => Verdict::Pass,
-        Status::Skip(reason) => Verdict::Skip(if reason.is_empty() { "no reason given".to_owned() } else { reason.clone() }),
-        Status::Fail => Verdict::Fail(format!("{} {}\n{diags}", "failed", test.directive).trim().to_owned()),
-        Status::Missing => Verdict::Fail(format!("no result: the guest crashed or hung\n{diags}\n{}", crash_context())),
+        Status::Skip(reason) => Verdict::Skip(if reason.is_empty() {
+            "no reason given".to_owned()
+        } else {
+            reason.clone()
+        }),
+        Status::Fail => Verdict::Fail(
+            format!("{} {}\n{diags}", "failed", test.directive)
+                .trim()
+                .to_owned(),
+        ),
+        Status::Missing => Verdict::Fail(format!(
+            "no result: the guest crashed or hung\n{diags}\n{}",
+            crash_context()
+        )),
     }
 }
 
 fn splat_report(splats: &[&Splat]) -> String {
     let mut text = String::new();
     for splat in splats {
-        text.push_str(&format!("kernel report: {}\n{}\n", splat.line, splat.context.join("\n")));
+        text.push_str(&format!(
+            "kernel report: {}\n{}\n",
+            splat.line,
+            splat.context.join("\n")
+        ));
     }
     text
 }
@@ -122,11 +159,15 @@ fn splat_report(splats: &[&Splat]) -> String {
 fn host_checks(run: &RunArtifacts) -> Vec<Outcome> {
     let mut out = Vec::new();
     for line in run.ktap.lines() {
-        let Some(rest) = line.split("fgds-host-check: gpu-pattern").nth(1) else { continue };
-        let field = |key: &str| -> Option<u64> {
-            rest.split_whitespace().find_map(|kv| kv.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
+        let Some(rest) = line.split("fgds-host-check: gpu-pattern").nth(1) else {
+            continue;
         };
-        let (Some(offset), Some(len), Some(seed)) = (field("offset"), field("len"), field("seed")) else {
+        let field = |key: &str| -> Option<u64> {
+            rest.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
+        };
+        let (Some(offset), Some(len), Some(seed)) = (field("offset"), field("len"), field("seed"))
+        else {
             out.push(Outcome {
                 name: format!("{}::host::malformed-check", run.label),
                 verdict: Verdict::Fail(format!("cannot parse host check {line:?}")),
@@ -134,7 +175,10 @@ fn host_checks(run: &RunArtifacts) -> Vec<Outcome> {
             continue;
         };
         let name = format!("{}::host::gpu-pattern@{offset:#x}+{len:#x}", run.label);
-        out.push(Outcome { name, verdict: check_gpu_pattern(run.gpu_backing, offset, len, seed) });
+        out.push(Outcome {
+            name,
+            verdict: check_gpu_pattern(run.gpu_backing, offset, len, seed),
+        });
     }
     out
 }
@@ -144,7 +188,10 @@ fn check_gpu_pattern(path: &Path, offset: u64, len: u64, seed: u64) -> Verdict {
     let mut buf = vec![0u8; len as usize];
     let res = std::fs::File::open(path).and_then(|f| f.read_exact_at(&mut buf, offset));
     if let Err(err) = res {
-        return Verdict::Fail(format!("cannot read {} at {offset:#x}: {err}", path.display()));
+        return Verdict::Fail(format!(
+            "cannot read {} at {offset:#x}: {err}",
+            path.display()
+        ));
     }
     match pattern::first_mismatch(seed, 0, &buf) {
         None => Verdict::Pass,
@@ -158,7 +205,10 @@ fn check_gpu_pattern(path: &Path, offset: u64, len: u64, seed: u64) -> Verdict {
 
 /// Prints the verdicts, one line each, then cargo test's summary line; returns whether all passed.
 pub fn print(outcomes: Vec<Outcome>) -> bool {
-    let args = libtest_mimic::Arguments { test_threads: Some(1), ..libtest_mimic::Arguments::default() };
+    let args = libtest_mimic::Arguments {
+        test_threads: Some(1),
+        ..libtest_mimic::Arguments::default()
+    };
     let trials = outcomes
         .into_iter()
         .map(|o| {
@@ -177,7 +227,11 @@ mod tests {
     use super::*;
 
     fn run_with(ktap: &str, console: &str) -> Vec<Outcome> {
-        let planned = vec!["setup".to_owned(), "smoke".to_owned(), "rig_modules".to_owned()];
+        let planned = vec![
+            "setup".to_owned(),
+            "smoke".to_owned(),
+            "rig_modules".to_owned(),
+        ];
         outcomes(&RunArtifacts {
             label: "k",
             planned: &planned,
@@ -189,20 +243,35 @@ mod tests {
     }
 
     fn verdict_of<'a>(out: &'a [Outcome], name: &str) -> &'a Verdict {
-        &out.iter().find(|o| o.name == name).unwrap_or_else(|| panic!("no outcome {name}")).verdict
+        &out.iter()
+            .find(|o| o.name == name)
+            .unwrap_or_else(|| panic!("no outcome {name}"))
+            .verdict
     }
 
     #[test]
     fn a_crash_mid_suite_fails_the_running_and_the_missing_tests() {
         let ktap = "KTAP version 1\n1..3\nok 1 setup\n  KTAP version 1\n  1..2\n  ok 1 a\n";
-        let console = "[1] fgds-rig: begin smoke\n[2] Kernel panic - not syncing: sysrq triggered crash\n";
+        let console =
+            "[1] fgds-rig: begin smoke\n[2] Kernel panic - not syncing: sysrq triggered crash\n";
         let out = run_with(ktap, console);
         assert!(matches!(verdict_of(&out, "k::setup"), Verdict::Pass));
         assert!(matches!(verdict_of(&out, "k::smoke::a"), Verdict::Pass));
-        assert!(matches!(verdict_of(&out, "k::smoke::test 2"), Verdict::Fail(_)));
-        let Verdict::Fail(msg) = verdict_of(&out, "k::smoke") else { panic!("smoke must fail") };
-        assert!(msg.contains("Kernel panic"), "the panic lines are shown: {msg}");
-        assert!(matches!(verdict_of(&out, "k::rig_modules"), Verdict::Fail(_)));
+        assert!(matches!(
+            verdict_of(&out, "k::smoke::test 2"),
+            Verdict::Fail(_)
+        ));
+        let Verdict::Fail(msg) = verdict_of(&out, "k::smoke") else {
+            panic!("smoke must fail")
+        };
+        assert!(
+            msg.contains("Kernel panic"),
+            "the panic lines are shown: {msg}"
+        );
+        assert!(matches!(
+            verdict_of(&out, "k::rig_modules"),
+            Verdict::Fail(_)
+        ));
         assert!(matches!(verdict_of(&out, "k::vm"), Verdict::Fail(_)));
     }
 
@@ -217,7 +286,8 @@ mod tests {
 
     #[test]
     fn a_warning_fails_its_test() {
-        let ktap = "KTAP version 1\n1..3\nok 1 setup\nok 2 smoke\nok 3 rig_modules\n# fgds-rig: done\n";
+        let ktap =
+            "KTAP version 1\n1..3\nok 1 setup\nok 2 smoke\nok 3 rig_modules\n# fgds-rig: done\n";
         let console = "[1] fgds-rig: begin smoke\n[2] WARNING: CPU: 0 PID: 9 at x.c:1\n[3] fgds-rig: end smoke\n";
         let out = run_with(ktap, console);
         assert!(matches!(verdict_of(&out, "k::smoke"), Verdict::Fail(_)));

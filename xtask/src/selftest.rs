@@ -23,7 +23,11 @@ pub struct Options {
 
 pub fn rig_selftest(opts: &Options) -> anyhow::Result<ExitCode> {
     let outcomes = run(&opts.kernel)?;
-    Ok(if report::print(outcomes) { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if report::print(outcomes) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 /// Runs the two self-test boots on `kernel` and returns one verdict per expectation.
@@ -42,15 +46,29 @@ pub fn run(kernel: &str) -> anyhow::Result<Vec<Outcome>> {
         // No suite program has this name: only the --exec programs run.
         only: vec!["-none-".to_owned()],
     };
-    let endings = vm::run_kernel(&vm::Options { exec: programs[..3].to_vec(), ..base.clone() })?;
+    let endings = vm::run_kernel(&vm::Options {
+        exec: programs[..3].to_vec(),
+        ..base.clone()
+    })?;
     let started = Instant::now();
-    let crash = vm::run_kernel(&vm::Options { exec: programs[3..].to_vec(), ..base })?;
+    let crash = vm::run_kernel(&vm::Options {
+        exec: programs[3..].to_vec(),
+        ..base
+    })?;
     let crash_took = started.elapsed();
 
-    let find = |set: &[Outcome], suffix: &str| set.iter().find(|o| o.name.ends_with(suffix)).map(|o| o.verdict.clone());
+    let find = |set: &[Outcome], suffix: &str| {
+        set.iter()
+            .find(|o| o.name.ends_with(suffix))
+            .map(|o| o.verdict.clone())
+    };
     let expect = |name: &str, ok: bool, why: String| Outcome {
         name: format!("rig-selftest::{name}"),
-        verdict: if ok { Verdict::Pass } else { Verdict::Fail(why) },
+        verdict: if ok {
+            Verdict::Pass
+        } else {
+            Verdict::Fail(why)
+        },
     };
     let pass = find(&endings, "::exec:rig_selftest_pass");
     let sub = find(&endings, "::exec:rig_selftest_pass::selftest_case");
@@ -59,14 +77,35 @@ pub fn run(kernel: &str) -> anyhow::Result<Vec<Outcome>> {
     let panic = find(&crash, "::exec:rig_selftest_panic");
     let panic_shown = matches!(&panic, Some(Verdict::Fail(msg)) if msg.contains("Kernel panic") || msg.contains("sysrq"));
     Ok(vec![
-        expect("exit_0_passes", matches!(pass, Some(Verdict::Pass)), format!("got {pass:?}")),
-        expect("ktap_subtests_reported", matches!(sub, Some(Verdict::Pass)), format!("got {sub:?}")),
-        expect("exit_1_fails", matches!(fail, Some(Verdict::Fail(_))), format!("got {fail:?}")),
-        expect("exit_4_skips", matches!(skip, Some(Verdict::Skip(_))), format!("got {skip:?}")),
-        expect("panic_fails_with_console", panic_shown, format!("got {panic:?}")),
+        expect(
+            "exit_0_passes",
+            matches!(pass, Some(Verdict::Pass)),
+            format!("got {pass:?}"),
+        ),
+        expect(
+            "ktap_subtests_reported",
+            matches!(sub, Some(Verdict::Pass)),
+            format!("got {sub:?}"),
+        ),
+        expect(
+            "exit_1_fails",
+            matches!(fail, Some(Verdict::Fail(_))),
+            format!("got {fail:?}"),
+        ),
+        expect(
+            "exit_4_skips",
+            matches!(skip, Some(Verdict::Skip(_))),
+            format!("got {skip:?}"),
+        ),
+        expect(
+            "panic_fails_with_console",
+            panic_shown,
+            format!("got {panic:?}"),
+        ),
         expect(
             "panic_reported_within_a_minute",
-            crash_took < PANIC_LIMIT + Duration::from_secs(30) && crash_vm_time(&crash) < PANIC_LIMIT,
+            crash_took < PANIC_LIMIT + Duration::from_secs(30)
+                && crash_vm_time(&crash) < PANIC_LIMIT,
             format!("the panicking run took {:.0} s", crash_took.as_secs_f64()),
         ),
     ])
@@ -74,15 +113,21 @@ pub fn run(kernel: &str) -> anyhow::Result<Vec<Outcome>> {
 
 /// The machine time of a run is not in its outcomes; a run that hit its limit says so in `vm`.
 fn crash_vm_time(outcomes: &[Outcome]) -> Duration {
-    let timed_out = outcomes
-        .iter()
-        .any(|o| o.name.ends_with("::vm") && matches!(&o.verdict, Verdict::Fail(m) if m.contains("ran past its limit")));
-    if timed_out { Duration::MAX } else { Duration::ZERO }
+    let timed_out = outcomes.iter().any(|o| {
+        o.name.ends_with("::vm")
+            && matches!(&o.verdict, Verdict::Fail(m) if m.contains("ran past its limit"))
+    });
+    if timed_out {
+        Duration::MAX
+    } else {
+        Duration::ZERO
+    }
 }
 
 fn copy_as(bin: &Path, dir: &Path, mode: &str) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir)?;
     let dst = dir.join(format!("rig_selftest_{mode}"));
-    std::fs::copy(bin, &dst).with_context(|| format!("cannot copy {} to {}", bin.display(), dst.display()))?;
+    std::fs::copy(bin, &dst)
+        .with_context(|| format!("cannot copy {} to {}", bin.display(), dst.display()))?;
     Ok(dst)
 }

@@ -47,7 +47,11 @@ pub enum AccelArg {
 pub fn test_vm(opts: &Options) -> anyhow::Result<ExitCode> {
     let outcomes = run_kernel(opts)?;
     let passed = report::print(outcomes);
-    Ok(if passed { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 /// Runs the suite on one kernel and returns the verdicts. Errors are problems of the host (a
@@ -56,14 +60,23 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
     let spec: kernel::KernelSpec = opts.kernel.parse()?;
     let label = spec.slug();
     let run_dir = crate::project_root().join("target/vm").join(&label);
-    std::fs::create_dir_all(&run_dir).with_context(|| format!("cannot create {}", run_dir.display()))?;
-    eprintln!("test-vm: {} (artifacts in {})", opts.kernel, run_dir.display());
+    std::fs::create_dir_all(&run_dir)
+        .with_context(|| format!("cannot create {}", run_dir.display()))?;
+    eprintln!(
+        "test-vm: {} (artifacts in {})",
+        opts.kernel,
+        run_dir.display()
+    );
     let mut phases = Phases::default();
 
     host::ensure_packages(host::VM_PACKAGES)?;
     let cache = host::cache_dir()?;
     let kernel = phases.run("fetch", || kernel::prepare(&spec, &cache))?;
-    eprintln!("  kernel {} (package {})", kernel.release, display_version(&kernel.package_version));
+    eprintln!(
+        "  kernel {} (package {})",
+        kernel.release,
+        display_version(&kernel.package_version)
+    );
 
     let (kos, bin_dir) = phases.run("build", || {
         let kos = driver::build(&kernel, &run_dir)?;
@@ -84,7 +97,10 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
         let rig = kos
             .iter()
             .zip(driver::RIG_MODULES)
-            .map(|(ko, name)| guest::RigModule { ko: ko.clone(), params: module_params(name, opts) })
+            .map(|(ko, name)| guest::RigModule {
+                ko: ko.clone(),
+                params: module_params(name, opts),
+            })
             .collect::<Vec<_>>();
         let plan = guest::make_initramfs(&kernel, &cache, &bin_dir, &rig, &suite, &initrd)?;
         std::fs::write(run_dir.join("plan.txt"), plan)?;
@@ -108,7 +124,9 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
         gpu_bytes: pattern::GPU_MEMORY_BYTES,
         run_dir: run_dir.clone(),
     };
-    let limit = Duration::from_secs(BOOT_ALLOWANCE_SECS + suite.iter().map(|e| e.timeout_secs).sum::<u64>());
+    let limit = Duration::from_secs(
+        BOOT_ALLOWANCE_SECS + suite.iter().map(|e| e.timeout_secs).sum::<u64>(),
+    );
     let (exit, boot) = run_machine(&config, limit)?;
     phases.record("boot", boot.unwrap_or_default());
     phases.record("tests", exit.1.saturating_sub(boot.unwrap_or_default()));
@@ -117,11 +135,16 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
     let ktap = std::fs::read_to_string(&files.ktap).unwrap_or_default();
     let console = std::fs::read_to_string(&files.console).unwrap_or_default();
     let machine_problem = match (&exit.0, machine::check_qemu_log(&files)) {
-        (machine::Exit::TimedOut, _) => Some(format!("the machine ran past its limit of {} s and was stopped", limit.as_secs())),
+        (machine::Exit::TimedOut, _) => Some(format!(
+            "the machine ran past its limit of {} s and was stopped",
+            limit.as_secs()
+        )),
         (_, Err(err)) => Some(format!("{err:#}")),
         (machine::Exit::Exited { .. }, Ok(())) => None,
     };
-    let planned = std::iter::once("setup".to_owned()).chain(suite.iter().map(|e| e.name.clone())).collect::<Vec<_>>();
+    let planned = std::iter::once("setup".to_owned())
+        .chain(suite.iter().map(|e| e.name.clone()))
+        .collect::<Vec<_>>();
     for line in ktap.lines().filter_map(|l| l.split("fgds-report: ").nth(1)) {
         eprintln!("  {line}");
     }
@@ -145,12 +168,19 @@ fn module_params(name: &str, opts: &Options) -> String {
 }
 
 fn display_version(v: &str) -> &str {
-    if v.is_empty() { "none: a local tree" } else { v }
+    if v.is_empty() {
+        "none: a local tree"
+    } else {
+        v
+    }
 }
 
 /// Boots the machine and waits for it, echoing top-level results as they arrive. Returns how it
 /// ended with its run time, and the boot time (until the setup result arrived).
-fn run_machine(config: &machine::Config, limit: Duration) -> anyhow::Result<((machine::Exit, Duration), Option<Duration>)> {
+fn run_machine(
+    config: &machine::Config,
+    limit: Duration,
+) -> anyhow::Result<((machine::Exit, Duration), Option<Duration>)> {
     let mut vm = machine::start(config)?;
     let started = Instant::now();
     let files = machine::run_files(&config.run_dir);
@@ -158,7 +188,10 @@ fn run_machine(config: &machine::Config, limit: Duration) -> anyhow::Result<((ma
     let mut boot = None;
     let exit = vm.wait(limit, || {
         let text = std::fs::read_to_string(&files.ktap).unwrap_or_default();
-        let lines = text.lines().filter(|l| l.starts_with("ok ") || l.starts_with("not ok ")).collect::<Vec<_>>();
+        let lines = text
+            .lines()
+            .filter(|l| l.starts_with("ok ") || l.starts_with("not ok "))
+            .collect::<Vec<_>>();
         for line in &lines[shown.min(lines.len())..] {
             if boot.is_none() {
                 boot = Some(started.elapsed());

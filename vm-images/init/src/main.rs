@@ -109,13 +109,18 @@ fn read_plan() -> anyhow::Result<(Vec<Module>, Vec<Test>)> {
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
         let mut words = line.splitn(4, ' ');
         match (words.next(), words.next(), words.next(), words.next()) {
-            (Some("module"), Some(_kind), Some(path), params) => {
-                modules.push(Module { path: path.to_owned(), params: params.unwrap_or("").to_owned() })
-            }
+            (Some("module"), Some(_kind), Some(path), params) => modules.push(Module {
+                path: path.to_owned(),
+                params: params.unwrap_or("").to_owned(),
+            }),
             (Some("test"), Some(name), Some(path), Some(timeout)) => tests.push(Test {
                 name: name.to_owned(),
                 path: path.to_owned(),
-                timeout: Duration::from_secs(timeout.parse().with_context(|| format!("bad timeout in {line:?}"))?),
+                timeout: Duration::from_secs(
+                    timeout
+                        .parse()
+                        .with_context(|| format!("bad timeout in {line:?}"))?,
+                ),
             }),
             _ => bail!("malformed plan line {line:?}"),
         }
@@ -155,28 +160,46 @@ fn load_modules(modules: &[Module]) -> anyhow::Result<()> {
         let params = match (&ivshmem, module.params.contains("@ivshmem@")) {
             (Some(bdf), true) => module.params.replace("@ivshmem@", bdf),
             (None, true) => {
-                errors.push(format!("{}: no ivshmem device (1af4:1110) found for its params", module.path));
+                errors.push(format!(
+                    "{}: no ivshmem device (1af4:1110) found for its params",
+                    module.path
+                ));
                 continue;
             }
             (_, false) => module.params.clone(),
         };
         let res = File::open(&module.path)
             .map_err(anyhow::Error::from)
-            .and_then(|file| Ok(rustix::system::finit_module(&file, &CString::new(params.clone())?, 0)?));
+            .and_then(|file| {
+                Ok(rustix::system::finit_module(
+                    &file,
+                    &CString::new(params.clone())?,
+                    0,
+                )?)
+            });
         match res {
             Ok(()) => loaded.push_str(&format!("{} {}\n", module.path, params)),
             // Already there (EEXIST): loaded as a dependency or built in.
-            Err(_) if is_loaded(&module.path) => loaded.push_str(&format!("{} {}\n", module.path, params)),
+            Err(_) if is_loaded(&module.path) => {
+                loaded.push_str(&format!("{} {}\n", module.path, params))
+            }
             Err(err) => errors.push(format!("cannot load {} {params}: {err:#}", module.path)),
         }
     }
     fs::write(LOADED, loaded).with_context(|| format!("cannot write {LOADED}"))?;
     wait_for_devices();
-    if errors.is_empty() { Ok(()) } else { bail!("{}", errors.join("\n")) }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        bail!("{}", errors.join("\n"))
+    }
 }
 
 fn is_loaded(path: &str) -> bool {
-    let name = Path::new(path).file_stem().map(|s| s.to_string_lossy().replace('-', "_")).unwrap_or_default();
+    let name = Path::new(path)
+        .file_stem()
+        .map(|s| s.to_string_lossy().replace('-', "_"))
+        .unwrap_or_default();
     Path::new("/sys/module").join(name).exists()
 }
 
@@ -204,7 +227,7 @@ fn run_test(ktap: &mut File, number: usize, test: &Test) -> anyhow::Result<()> {
     let started = Instant::now();
     let child = Command::new(&test.path)
         .env("FGDS_NVME", "/dev/nvme0n1")
-        .env("PATH", "/tests:/exec")
+        .env("PATH", "/bin:/tests:/exec")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -256,13 +279,20 @@ fn run_test(ktap: &mut File, number: usize, test: &Test) -> anyhow::Result<()> {
     let secs = started.elapsed().as_secs_f64();
     writeln!(ktap, "# {}: {:.1} s", test.name, secs)?;
     let line = if timed_out {
-        format!("not ok {number} {} # TIMEOUT {} seconds", test.name, test.timeout.as_secs())
+        format!(
+            "not ok {number} {} # TIMEOUT {} seconds",
+            test.name,
+            test.timeout.as_secs()
+        )
     } else {
         match status.code() {
             Some(0) if !child_failed => format!("ok {number} {}", test.name),
             Some(4) => format!("ok {number} {} # SKIP the program exited with 4", test.name),
             Some(code) => format!("not ok {number} {} # exit={code}", test.name),
-            None => format!("not ok {number} {} # killed by a signal ({status})", test.name),
+            None => format!(
+                "not ok {number} {} # killed by a signal ({status})",
+                test.name
+            ),
         }
     };
     writeln!(ktap, "{line}")?;
@@ -294,12 +324,17 @@ fn kmsg(msg: &str) {
 }
 
 fn console(msg: &str) {
-    if let Ok(mut console) = OpenOptions::new().write(true).custom_flags(libc::O_NOCTTY).open("/dev/console") {
+    if let Ok(mut console) = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NOCTTY)
+        .open("/dev/console")
+    {
         let _ = console.write_all(format!("{msg}\n").as_bytes());
     }
 }
 
 fn kernel_release() -> String {
-    fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_owned()).unwrap_or_default()
+    fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
 }
-
