@@ -1,0 +1,298 @@
+//! fgds data path: NVMe to GPU and GPU to NVMe through a registered, mapped vgpu buffer, with
+//! pread/pwrite, preadv/pwritev and io_uring, checked in the guest through vgpu's own CPU
+//! mapping of the dma-buf.
+
+#[path = "../fgds_common.rs"]
+mod common;
+
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::fs::FileExt;
+
+use anyhow::{Context, bail, ensure};
+use common::{MIB, Map, PAGE};
+use fgds_tests::guest::AlignedBuf;
+use fgds_tests::ktap::{self, Case, CaseResult};
+use fgds_tests::pattern;
+
+/// Where on the NVMe image tests write (beyond the 64 MiB pattern, inside the 256 MiB image).
+const SCRATCH: u64 = 128 * MIB;
+
+fn main() {
+    ktap::run(&[
+        Case { name: "mode_reported", run: mode_reported },
+        Case { name: "nvme_to_gpu_pread_4k_to_64m", run: nvme_to_gpu_pread_sizes },
+        Case { name: "gpu_to_nvme_pwrite", run: gpu_to_nvme_pwrite },
+        Case { name: "preadv_pwritev_two_buffers", run: preadv_pwritev },
+        Case { name: "io_uring_read_write", run: io_uring_read_write },
+        Case { name: "io_uring_registered_buffers", run: io_uring_registered },
+        Case { name: "nonzero_dmabuf_offset", run: nonzero_dmabuf_offset },
+        Case { name: "several_buffers_per_fd", run: several_buffers_per_fd },
+        Case { name: "two_processes_at_once", run: two_processes },
+    ])
+}
+
+fn mode_reported() -> CaseResult {
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, _) = common::alloc(&vgpu, MIB)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, MIB).context("REG_BUFFER")?;
+    let mode = common::sysfs("mode")?;
+    ktap::diag(format_args!(
+        "fgds mode: {mode} (kernel {})",
+        rustix::system::uname().release().to_string_lossy()
+    ));
+    ensure!(
+        ["generic", "p2pdma", "exporter-p2pdma"].contains(&mode.as_str()),
+        "unexpected mode {mode:?}"
+    );
+    ensure!(common::sysfs_u64("buffers")? >= 1, "sysfs buffers not counting");
+    ensure!(common::sysfs_u64("bytes")? >= MIB, "sysfs bytes not counting");
+    common::unreg(&node, idx)?;
+    ktap::pass()
+}
+
+/// Reads `len` bytes of the NVMe pattern at `nvme_off` into a fresh GPU buffer through fgds and
+/// checks the GPU memory.
+fn read_into_gpu(len: u64, nvme_off: u64) -> anyhow::Result<()> {
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let nvme = common::nvme(false)?;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    common::gpu_fill(dmabuf.as_fd(), len as usize, 0xaa)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len).context("REG_BUFFER")?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    let n = common::pread_raw(&nvme, map.ptr, len as usize, nvme_off)
+        .with_context(|| format!("pread of {len} bytes into GPU memory"))?;
+    ensure!(n == len as usize, "short pread: {n} of {len}");
+    let got = common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?;
+    common::check_nvme_pattern(nvme_off, &got).with_context(|| format!("{len} bytes"))?;
+    Ok(())
+}
+
+fn nvme_to_gpu_pread_sizes() -> CaseResult {
+    for len in [PAGE, 64 << 10, MIB, 4 * MIB, 16 * MIB, 64 * MIB] {
+        let off = if len == 64 * MIB { 0 } else { 3 * MIB };
+        read_into_gpu(len, off)?;
+    }
+    ktap::pass()
+}
+
+/// Fills a GPU buffer with the pattern of `seed` (as if at offset `at`), writes it to the NVMe
+/// at `nvme_off` through fgds, reads it back into RAM and checks it.
+fn gpu_to_nvme_pwrite() -> CaseResult {
+    let len = 4 * MIB;
+    let seed = 0x5752_4954;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let nvme = common::nvme(true)?;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    let mut data = vec![0u8; len as usize];
+    pattern::fill(seed, SCRATCH, &mut data);
+    common::gpu_write(dmabuf.as_fd(), len as usize, 0, &data)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    let n = common::pwrite_raw(&nvme, map.ptr, len as usize, SCRATCH)
+        .context("pwrite from GPU memory")?;
+    ensure!(n == len as usize, "short pwrite: {n}");
+    let mut ram = AlignedBuf::new(len as usize)?;
+    nvme.read_exact_at(ram.as_mut_slice(), SCRATCH)?;
+    if let Some(at) = pattern::first_mismatch(seed, SCRATCH, ram.as_slice()) {
+        bail!("NVMe data differs from what the GPU held at byte {at}");
+    }
+    ktap::pass()
+}
+
+fn preadv_pwritev() -> CaseResult {
+    let len = 2 * MIB;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let nvme = common::nvme(true)?;
+    let (a, _) = common::alloc(&vgpu, len)?;
+    let (b, _) = common::alloc(&vgpu, len)?;
+    let ia = common::reg(&node, a.as_fd(), 0, len)?;
+    let ib = common::reg(&node, b.as_fd(), 0, len)?;
+    let ma = Map::shared(&node, ia, len as usize)?;
+    let mb = Map::shared(&node, ib, len as usize)?;
+    let iov = [
+        libc::iovec { iov_base: ma.ptr.cast(), iov_len: len as usize },
+        libc::iovec { iov_base: mb.ptr.cast(), iov_len: len as usize },
+    ];
+    let off = 5 * MIB;
+    // SAFETY: both iovecs are live mappings of len bytes.
+    let n = unsafe { libc::preadv(nvme.as_raw_fd(), iov.as_ptr(), 2, off as libc::off_t) };
+    ensure!(n == 2 * len as isize, "preadv returned {n}: {}", std::io::Error::last_os_error());
+    common::check_nvme_pattern(off, &common::gpu_read(a.as_fd(), len as usize, 0, len as usize)?)?;
+    common::check_nvme_pattern(
+        off + len,
+        &common::gpu_read(b.as_fd(), len as usize, 0, len as usize)?,
+    )?;
+    let dst = SCRATCH + 8 * MIB;
+    // SAFETY: as above.
+    let n = unsafe { libc::pwritev(nvme.as_raw_fd(), iov.as_ptr(), 2, dst as libc::off_t) };
+    ensure!(n == 2 * len as isize, "pwritev returned {n}: {}", std::io::Error::last_os_error());
+    let mut ram = AlignedBuf::new(2 * len as usize)?;
+    nvme.read_exact_at(ram.as_mut_slice(), dst)?;
+    common::check_nvme_pattern(off, ram.as_slice()).context("after pwritev")?;
+    ktap::pass()
+}
+
+fn uring_rw(
+    ring: &mut io_uring::IoUring,
+    write: bool,
+    fd: i32,
+    ptr: *mut u8,
+    chunk: usize,
+    n: usize,
+    off: u64,
+) -> anyhow::Result<()> {
+    for i in 0..n {
+        // SAFETY: the chunk lies in a mapping the caller keeps alive until completion.
+        let p = unsafe { ptr.add(i * chunk) };
+        let sqe = if write {
+            io_uring::opcode::Write::new(io_uring::types::Fd(fd), p, chunk as u32)
+                .offset(off + (i * chunk) as u64)
+                .build()
+        } else {
+            io_uring::opcode::Read::new(io_uring::types::Fd(fd), p, chunk as u32)
+                .offset(off + (i * chunk) as u64)
+                .build()
+        };
+        // SAFETY: buffers outlive the requests: we wait for all completions below.
+        unsafe { ring.submission().push(&sqe.user_data(i as u64)) }
+            .map_err(|_| anyhow::anyhow!("submission queue full"))?;
+    }
+    ring.submit_and_wait(n)?;
+    for cqe in ring.completion().take(n) {
+        ensure!(
+            cqe.result() == chunk as i32,
+            "request {} returned {}",
+            cqe.user_data(),
+            cqe.result()
+        );
+    }
+    Ok(())
+}
+
+fn io_uring_read_write() -> CaseResult {
+    const CHUNK: usize = 1 << 20;
+    const N: usize = 8;
+    let len = (CHUNK * N) as u64;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let nvme = common::nvme(true)?;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    let mut ring = io_uring::IoUring::new(N as u32)?;
+    let off = 9 * MIB;
+    uring_rw(&mut ring, false, nvme.as_raw_fd(), map.ptr, CHUNK, N, off)?;
+    common::check_nvme_pattern(off, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    let dst = SCRATCH + 16 * MIB;
+    uring_rw(&mut ring, true, nvme.as_raw_fd(), map.ptr, CHUNK, N, dst)?;
+    let mut ram = AlignedBuf::new(len as usize)?;
+    nvme.read_exact_at(ram.as_mut_slice(), dst)?;
+    common::check_nvme_pattern(off, ram.as_slice()).context("after io_uring write")?;
+    ktap::pass()
+}
+
+fn io_uring_registered() -> CaseResult {
+    let len = 2 * MIB;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let nvme = common::nvme(false)?;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    let ring = io_uring::IoUring::new(4)?;
+    let iov = [libc::iovec { iov_base: map.ptr.cast(), iov_len: len as usize }];
+    // SAFETY: the mapping outlives the registration (unregistered below before unmapping).
+    if let Err(err) = unsafe { ring.submitter().register_buffers(&iov) } {
+        return ktap::skip(format_args!(
+            "io_uring refuses to register fgds memory as a fixed buffer ({err}): the kernel does not pin {} pages long-term",
+            common::sysfs("mode")?
+        ));
+    }
+    let mut ring = ring;
+    let off = 21 * MIB;
+    let sqe = io_uring::opcode::ReadFixed::new(
+        io_uring::types::Fd(nvme.as_raw_fd()),
+        map.ptr,
+        len as u32,
+        0,
+    )
+    .offset(off)
+    .build();
+    // SAFETY: the registered buffer stays mapped until completion.
+    unsafe { ring.submission().push(&sqe) }.map_err(|_| anyhow::anyhow!("queue full"))?;
+    ring.submit_and_wait(1)?;
+    let res = ring.completion().next().map(|c| c.result()).unwrap_or(-1);
+    ring.submitter().unregister_buffers()?;
+    ensure!(res == len as i32, "READ_FIXED returned {res}");
+    common::check_nvme_pattern(off, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    ktap::pass()
+}
+
+fn nonzero_dmabuf_offset() -> CaseResult {
+    let size = 8 * MIB;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let nvme = common::nvme(false)?;
+    let (dmabuf, _) = common::alloc(&vgpu, size)?;
+    common::gpu_fill(dmabuf.as_fd(), size as usize, 0xaa)?;
+    let (off, len) = (3 * MIB + PAGE, 2 * MIB);
+    let idx = common::reg(&node, dmabuf.as_fd(), off, len)?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    let nvme_off = 7 * MIB;
+    common::pread_raw(&nvme, map.ptr, len as usize, nvme_off).context("pread")?;
+    let all = common::gpu_read(dmabuf.as_fd(), size as usize, 0, size as usize)?;
+    common::check_nvme_pattern(nvme_off, &all[off as usize..(off + len) as usize])?;
+    ensure!(
+        all[..off as usize].iter().all(|&b| b == 0xaa)
+            && all[(off + len) as usize..].iter().all(|&b| b == 0xaa),
+        "bytes outside the registered range changed"
+    );
+    ktap::pass()
+}
+
+fn several_buffers_per_fd() -> CaseResult {
+    let len = MIB;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let nvme = common::nvme(false)?;
+    let mut bufs = Vec::new();
+    for i in 0..4u64 {
+        let (dmabuf, _) = common::alloc(&vgpu, len)?;
+        let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+        let map = Map::shared(&node, idx, len as usize)?;
+        bufs.push((dmabuf, idx, map, 11 * MIB + i * 3 * MIB));
+    }
+    let idxs = bufs.iter().map(|b| b.1).collect::<Vec<_>>();
+    let mut sorted = idxs.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    ensure!(sorted.len() == idxs.len(), "tokens not unique: {idxs:?}");
+    for (_, _, map, nvme_off) in &bufs {
+        common::pread_raw(&nvme, map.ptr, len as usize, *nvme_off)?;
+    }
+    for (dmabuf, _, _, nvme_off) in &bufs {
+        common::check_nvme_pattern(*nvme_off, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    }
+    ktap::pass()
+}
+
+fn two_processes() -> CaseResult {
+    // SAFETY: single-threaded test process.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        bail!("fork: {}", std::io::Error::last_os_error());
+    }
+    let mine = (0..4).try_for_each(|i| read_into_gpu(4 * MIB, if pid == 0 { 20 } else { 30 } * MIB + i * MIB));
+    if pid == 0 {
+        // SAFETY: leave the child directly.
+        unsafe { libc::_exit(i32::from(mine.is_err())) };
+    }
+    let child = common::wait(pid)?;
+    mine.context("parent")?;
+    ensure!(child == 0, "child failed (status {child})");
+    ktap::pass()
+}

@@ -1,0 +1,315 @@
+//! fgds lifetime: UNREG and close with a live mapping, fork, partial munmap, mremap, madvise,
+//! SIGKILL during I/O, revocation by the exporter (SIGBUS on access, EFAULT on I/O, ENODEV on
+//! mmap), exporter unbind and rebind, module unload while in use.
+
+#[path = "../fgds_common.rs"]
+mod common;
+
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use common::{MIB, Map};
+use fgds_tests::ktap::{self, Case, CaseResult};
+use rustix::io::Errno;
+
+const SIGBUS_STATUS: i32 = 128 + libc::SIGBUS;
+
+fn main() {
+    ktap::run(&[
+        Case { name: "unreg_with_live_mapping", run: unreg_with_live_mapping },
+        Case { name: "close_with_live_mapping", run: close_with_live_mapping },
+        Case { name: "fork_then_io_in_child", run: fork_then_io_in_child },
+        Case { name: "partial_munmap", run: partial_munmap },
+        Case { name: "mremap_and_madvise", run: mremap_and_madvise },
+        Case { name: "sigkill_during_large_read", run: sigkill_during_large_read },
+        Case { name: "revoke_after_io", run: revoke_after_io },
+        Case { name: "revoke_during_io", run: revoke_during_io },
+        Case { name: "exporter_unbind_and_rebind", run: exporter_unbind_and_rebind },
+        Case { name: "module_unload_refused_while_open", run: module_unload_refused },
+    ])
+}
+
+/// Waits until sysfs `buffers` drops to `want` (releases may finish just after close).
+fn wait_buffers(want: u64) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let n = common::sysfs_u64("buffers")?;
+        if n == want {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("sysfs buffers is {n}, want {want}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn read_check(map_ptr: *mut u8, len: u64, nvme_off: u64) -> anyhow::Result<()> {
+    let nvme = common::nvme(false)?;
+    let n = common::pread_raw(&nvme, map_ptr, len as usize, nvme_off).context("pread")?;
+    ensure!(n == len as usize, "short pread {n}");
+    Ok(())
+}
+
+fn unreg_with_live_mapping() -> CaseResult {
+    let base = common::sysfs_u64("buffers")?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let len = 2 * MIB;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    common::unreg(&node, idx).context("UNREG")?;
+    ensure!(common::sysfs_u64("buffers")? == base + 1, "the mapping did not keep the buffer");
+    read_check(map.ptr, len, 2 * MIB)?;
+    common::check_nvme_pattern(2 * MIB, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    drop(map);
+    wait_buffers(base)?;
+    ktap::pass()
+}
+
+fn close_with_live_mapping() -> CaseResult {
+    let base = common::sysfs_u64("buffers")?;
+    let vgpu = common::vgpu()?;
+    let len = 2 * MIB;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    let map = {
+        let node = common::open_node()?;
+        let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+        Map::shared(&node, idx, len as usize)?
+    };
+    read_check(map.ptr, len, 4 * MIB)?;
+    common::check_nvme_pattern(4 * MIB, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    ensure!(common::sysfs_u64("buffers")? == base + 1, "buffer gone while mapped");
+    drop(map);
+    wait_buffers(base)?;
+    ktap::pass()
+}
+
+fn fork_then_io_in_child() -> CaseResult {
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let len = 4 * MIB;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    common::gpu_fill(dmabuf.as_fd(), len as usize, 0)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    // Fault the pages in before fork so the child gets PTE copies, not only the VMA.
+    read_check(map.ptr, MIB, 0)?;
+    let ptr = map.ptr as usize;
+    let status = common::in_child(|| {
+        let Ok(nvme) = common::nvme(false) else { return 2 };
+        match common::pread_raw(&nvme, ptr as *mut u8, len as usize, 6 * MIB) {
+            Ok(n) if n == len as usize => 0,
+            _ => 1,
+        }
+    })?;
+    ensure!(status == 0, "child I/O failed (status {status})");
+    common::check_nvme_pattern(6 * MIB, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    ktap::pass()
+}
+
+fn partial_munmap() -> CaseResult {
+    let base = common::sysfs_u64("buffers")?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let len = 4 * MIB;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    common::unreg(&node, idx)?;
+    let mut map = Map::shared(&node, idx, len as usize);
+    ensure!(map.is_err(), "mmap of an unregistered token worked");
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    map = Map::shared(&node, idx, len as usize);
+    let mut map = map?;
+    // Unmap the second MiB: the VMA splits in two, each keeps the buffer.
+    // SAFETY: a sub-range of our own mapping.
+    ensure!(unsafe { libc::munmap(map.at(MIB as usize).cast(), MIB as usize) } == 0, "munmap");
+    common::unreg(&node, idx)?;
+    let nvme = common::nvme(false)?;
+    common::pread_raw(&nvme, map.ptr, MIB as usize, 8 * MIB).context("I/O into the first part")?;
+    common::pread_raw(&nvme, map.at(2 * MIB as usize), 2 * MIB as usize, 10 * MIB)
+        .context("I/O into the last part")?;
+    let got = common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?;
+    common::check_nvme_pattern(8 * MIB, &got[..MIB as usize])?;
+    common::check_nvme_pattern(10 * MIB, &got[2 * MIB as usize..])?;
+    ensure!(common::sysfs_u64("buffers")? == base + 1, "buffer gone while partly mapped");
+    // SAFETY: the two remaining parts of our own mapping.
+    unsafe {
+        libc::munmap(map.ptr.cast(), MIB as usize);
+        libc::munmap(map.at(2 * MIB as usize).cast(), 2 * MIB as usize);
+    }
+    map.len = 0;
+    wait_buffers(base)?;
+    ktap::pass()
+}
+
+fn mremap_and_madvise() -> CaseResult {
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let len = 2 * MIB;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    let mut map = Map::shared(&node, idx, len as usize)?;
+    let nvme = common::nvme(false)?;
+    common::pread_raw(&nvme, map.ptr, len as usize, 12 * MIB)?;
+    // Growing is refused (VM_DONTEXPAND).
+    // SAFETY: mremap of our own mapping; on failure nothing changes.
+    let grown = unsafe { libc::mremap(map.ptr.cast(), len as usize, 2 * len as usize, 0) };
+    ensure!(grown == libc::MAP_FAILED, "growing the mapping worked");
+    // Moving works.
+    // SAFETY: as above; MAYMOVE returns the new address and unmaps the old one.
+    let moved = unsafe { libc::mremap(map.ptr.cast(), len as usize, len as usize, libc::MREMAP_MAYMOVE) };
+    ensure!(moved != libc::MAP_FAILED, "mremap move: {}", std::io::Error::last_os_error());
+    map.ptr = moved.cast();
+    common::pread_raw(&nvme, map.ptr, len as usize, 14 * MIB).context("I/O after mremap")?;
+    common::check_nvme_pattern(14 * MIB, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    // MADV_DONTNEED zaps the PTEs; the pages fault back in.
+    // SAFETY: advice on our own mapping.
+    ensure!(unsafe { libc::madvise(map.ptr.cast(), len as usize, libc::MADV_DONTNEED) } == 0, "madvise");
+    common::pread_raw(&nvme, map.ptr, len as usize, 16 * MIB).context("I/O after MADV_DONTNEED")?;
+    common::check_nvme_pattern(16 * MIB, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    ktap::pass()
+}
+
+fn sigkill_during_large_read() -> CaseResult {
+    let base = common::sysfs_u64("buffers")?;
+    // SAFETY: single-threaded test process.
+    let pid = unsafe { libc::fork() };
+    ensure!(pid >= 0, "fork");
+    if pid == 0 {
+        let run = || -> anyhow::Result<()> {
+            let node = common::open_node()?;
+            let vgpu = common::vgpu()?;
+            let len = 64 * MIB;
+            let (dmabuf, _) = common::alloc(&vgpu, len)?;
+            let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+            let map = Map::shared(&node, idx, len as usize)?;
+            let nvme = common::nvme(false)?;
+            loop {
+                common::pread_raw(&nvme, map.ptr, len as usize, 0)?;
+            }
+        };
+        let _ = run();
+        // SAFETY: leave the child.
+        unsafe { libc::_exit(1) };
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: killing our own child.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let status = common::wait(pid)?;
+    ensure!(status == 128 + libc::SIGKILL, "child ended with status {status} before the kill");
+    wait_buffers(base)?;
+    ktap::pass()
+}
+
+fn revoke_after_io() -> CaseResult {
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let len = 2 * MIB;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, len)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    let nvme = common::nvme(false)?;
+    common::pread_raw(&nvme, map.ptr, len as usize, 0).context("I/O before revoke")?;
+    common::revoke(bar_off)?;
+    let status = common::touch_in_child(map.ptr)?;
+    ensure!(status == SIGBUS_STATUS, "access after revoke: status {status}, want SIGBUS");
+    match common::pread_raw(&nvme, map.ptr, len as usize, 0) {
+        Err(Errno::FAULT) => {}
+        other => bail!("pread after revoke: {other:?}, want EFAULT"),
+    }
+    match Map::new(&node, idx, len as usize, libc::MAP_SHARED) {
+        Err(Errno::NODEV) => {}
+        Err(e) => bail!("mmap after revoke: {e}, want ENODEV"),
+        Ok(_) => bail!("mmap after revoke worked"),
+    }
+    drop(map);
+    common::unreg(&node, idx).context("UNREG of a revoked token")?;
+    ktap::pass()
+}
+
+fn revoke_during_io() -> CaseResult {
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let len = 16 * MIB;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, len)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    let ptr = map.ptr as usize;
+    let reader = std::thread::spawn(move || -> (u32, Option<Errno>) {
+        let Ok(nvme) = common::nvme(false) else { return (0, None) };
+        let mut ok = 0;
+        loop {
+            match common::pread_raw(&nvme, ptr as *mut u8, len as usize, 0) {
+                Ok(_) => ok += 1,
+                Err(e) => return (ok, Some(e)),
+            }
+            if ok > 10_000 {
+                return (ok, None);
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    common::revoke(bar_off).context("revoke during I/O")?;
+    let (ok, err) = reader.join().map_err(|_| anyhow::anyhow!("reader panicked"))?;
+    ktap::diag(format_args!("{ok} reads completed before the revoke; then {err:?}"));
+    ensure!(err == Some(Errno::FAULT), "I/O after revoke ended with {err:?}, want EFAULT");
+    drop(map);
+    common::unreg(&node, idx)?;
+    ktap::pass()
+}
+
+fn vgpu_driver_path(bdf: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(format!("/sys/bus/pci/devices/{bdf}/driver"))
+}
+
+fn exporter_unbind_and_rebind() -> CaseResult {
+    let bdf = common::vgpu_bdf()?;
+    let drv = std::fs::canonicalize(vgpu_driver_path(&bdf)).context("vgpu driver link")?;
+    let node = common::open_node()?;
+    let len = 2 * MIB;
+    let map = {
+        let vgpu = common::vgpu()?;
+        let (dmabuf, _) = common::alloc(&vgpu, len)?;
+        let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+        Map::shared(&node, idx, len as usize)?
+    };
+    let nvme = common::nvme(false)?;
+    common::pread_raw(&nvme, map.ptr, len as usize, 0)?;
+    std::fs::write(drv.join("unbind"), &bdf).context("unbind vgpu")?;
+    let result = (|| -> anyhow::Result<()> {
+        ensure!(common::sysfs("mode")? == "none", "provider kept after the exporter unbound");
+        let status = common::touch_in_child(map.ptr)?;
+        ensure!(status == SIGBUS_STATUS, "access after unbind: status {status}, want SIGBUS");
+        match common::pread_raw(&nvme, map.ptr, len as usize, 0) {
+            Err(Errno::FAULT) => Ok(()),
+            other => bail!("pread after unbind: {other:?}, want EFAULT"),
+        }
+    })();
+    std::fs::write(drv.join("bind"), &bdf).context("rebind vgpu")?;
+    result?;
+    drop(map);
+    drop(node);
+    // The next registration sets the provider up again.
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len).context("REG after rebind")?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    common::pread_raw(&nvme, map.ptr, len as usize, 18 * MIB).context("I/O after rebind")?;
+    common::check_nvme_pattern(18 * MIB, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    ktap::pass()
+}
+
+fn module_unload_refused() -> CaseResult {
+    let node = common::open_node()?;
+    match rustix::system::delete_module(c"fgds", libc::O_NONBLOCK) {
+        Err(Errno::BUSY) | Err(Errno::AGAIN) => {}
+        other => bail!("unloading fgds with an open node: {other:?}, want EBUSY"),
+    }
+    ensure!(std::path::Path::new("/sys/module/fgds").exists(), "fgds unloaded");
+    drop(node);
+    ktap::pass()
+}

@@ -1,0 +1,287 @@
+//! Raw access to the fgds driver for the driver's in-guest tests (`fgds_*` binaries): every
+//! system call is made by hand so that each errno the UAPI documents can be checked.
+//! Included by the binaries with `#[path]`, not part of the library.
+
+#![allow(dead_code)]
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use fgds::uapi;
+use rustix::io::Errno;
+
+pub const PAGE: u64 = 4096;
+pub const MIB: u64 = 1 << 20;
+
+/// The PCI address of vgpu0, the rig's GPU.
+pub fn vgpu_bdf() -> anyhow::Result<String> {
+    let dev = std::fs::canonicalize("/sys/class/vgpu/vgpu0/device")
+        .context("no /sys/class/vgpu/vgpu0: is vgpu loaded?")?;
+    Ok(dev
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default())
+}
+
+/// The fgds node of the rig's GPU.
+pub fn node_path() -> anyhow::Result<PathBuf> {
+    let bdf = vgpu_bdf()?;
+    let name = format!(
+        "fgds_{}",
+        bdf.replace([':', '.'], "_")
+    );
+    let path = PathBuf::from("/dev").join(&name);
+    if !path.exists() {
+        bail!("{} missing: is fgds loaded with devices={bdf}?", path.display());
+    }
+    Ok(path)
+}
+
+/// The node's sysfs directory.
+pub fn sysfs_dir() -> anyhow::Result<PathBuf> {
+    let node = node_path()?;
+    Ok(PathBuf::from("/sys/class/fgds").join(node.file_name().expect("node name")))
+}
+
+pub fn sysfs(attr: &str) -> anyhow::Result<String> {
+    let path = sysfs_dir()?.join(attr);
+    Ok(std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?
+        .trim()
+        .to_owned())
+}
+
+pub fn sysfs_u64(attr: &str) -> anyhow::Result<u64> {
+    let s = sysfs(attr)?;
+    s.parse().with_context(|| format!("{attr}: not a number: {s:?}"))
+}
+
+pub fn open_node() -> anyhow::Result<File> {
+    let path = node_path()?;
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))
+}
+
+pub fn vgpu() -> anyhow::Result<File> {
+    Ok(fgds::vgpu::open(0)?)
+}
+
+/// A vgpu buffer: its dma-buf and its offset in BAR2.
+pub fn alloc(vgpu: &File, size: u64) -> anyhow::Result<(OwnedFd, u64)> {
+    Ok(fgds::vgpu::alloc(vgpu, size)?)
+}
+
+pub fn reg_raw(node: BorrowedFd<'_>, arg: &mut uapi::RegBuffer) -> Result<(), Errno> {
+    // SAFETY: RegBuffer is struct fgds_ioctl_reg_buffer; the opcode encodes its size.
+    unsafe {
+        rustix::ioctl::ioctl(
+            node,
+            rustix::ioctl::Updater::<{ uapi::REG_BUFFER }, uapi::RegBuffer>::new(arg),
+        )
+    }
+}
+
+pub fn reg(node: &File, dmabuf: BorrowedFd<'_>, offset: u64, size: u64) -> Result<u64, Errno> {
+    let mut arg = uapi::RegBuffer {
+        dmabuf_fd: dmabuf.as_raw_fd(),
+        flags: 0,
+        dmabuf_offset: offset,
+        size,
+        idx: 0,
+    };
+    reg_raw(node.as_fd(), &mut arg)?;
+    Ok(arg.idx)
+}
+
+pub fn unreg(node: &File, idx: u64) -> Result<(), Errno> {
+    let arg = uapi::UnregBuffer { idx };
+    // SAFETY: UnregBuffer is struct fgds_ioctl_unreg_buffer; the kernel only reads it.
+    unsafe {
+        rustix::ioctl::ioctl(
+            node.as_fd(),
+            rustix::ioctl::Setter::<{ uapi::UNREG_BUFFER }, _>::new(arg),
+        )
+    }
+}
+
+/// A mapping made with raw mmap(2) flags; unmapped on drop (what is left of it).
+pub struct Map {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+impl Map {
+    pub fn new(node: &File, idx: u64, len: usize, flags: i32) -> Result<Map, Errno> {
+        // SAFETY: a new mapping at an address the kernel picks aliases no Rust object.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                node.as_raw_fd(),
+                idx as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Errno::from_raw_os_error(
+                std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
+            ));
+        }
+        Ok(Map {
+            ptr: p.cast(),
+            len,
+        })
+    }
+
+    pub fn shared(node: &File, idx: u64, len: usize) -> anyhow::Result<Map> {
+        Map::new(node, idx, len, libc::MAP_SHARED).map_err(|e| anyhow::anyhow!("mmap: {e}"))
+    }
+
+    pub fn at(&self, off: usize) -> *mut u8 {
+        assert!(off <= self.len);
+        // SAFETY: in bounds of the mapping.
+        unsafe { self.ptr.add(off) }
+    }
+}
+
+impl Drop for Map {
+    fn drop(&mut self) {
+        if self.len != 0 {
+            // SAFETY: exactly the range mapped in new() (a partial munmap shrinks len first).
+            unsafe { libc::munmap(self.ptr.cast(), self.len) };
+        }
+    }
+}
+
+/// The NVMe namespace, O_DIRECT.
+pub fn nvme(write: bool) -> anyhow::Result<File> {
+    fgds_tests::guest::open_direct(&fgds_tests::guest::nvme_path()?, write)
+}
+
+/// pread(2) into a raw address until done or error; returns bytes done or the errno.
+pub fn pread_raw(file: &File, ptr: *mut u8, len: usize, off: u64) -> Result<usize, Errno> {
+    let mut done = 0;
+    while done < len {
+        // SAFETY: the caller passes a mapping of at least len bytes.
+        let n = unsafe {
+            libc::pread(
+                file.as_raw_fd(),
+                ptr.add(done).cast(),
+                len - done,
+                (off + done as u64) as libc::off_t,
+            )
+        };
+        if n < 0 {
+            return Err(Errno::from_raw_os_error(
+                std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
+            ));
+        }
+        if n == 0 {
+            break;
+        }
+        done += n as usize;
+    }
+    Ok(done)
+}
+
+pub fn pwrite_raw(file: &File, ptr: *const u8, len: usize, off: u64) -> Result<usize, Errno> {
+    let mut done = 0;
+    while done < len {
+        // SAFETY: the caller passes a mapping of at least len bytes.
+        let n = unsafe {
+            libc::pwrite(
+                file.as_raw_fd(),
+                ptr.add(done).cast(),
+                len - done,
+                (off + done as u64) as libc::off_t,
+            )
+        };
+        if n < 0 {
+            return Err(Errno::from_raw_os_error(
+                std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
+            ));
+        }
+        if n == 0 {
+            break;
+        }
+        done += n as usize;
+    }
+    Ok(done)
+}
+
+/// Reads GPU memory through vgpu's own CPU mapping of the dma-buf.
+pub fn gpu_read(dmabuf: BorrowedFd<'_>, size: usize, off: usize, len: usize) -> anyhow::Result<Vec<u8>> {
+    let map = fgds::CpuMapping::new(dmabuf, size)?;
+    let mut out = vec![0u8; len];
+    map.read(off, &mut out);
+    Ok(out)
+}
+
+/// Writes GPU memory through vgpu's own CPU mapping of the dma-buf.
+pub fn gpu_write(dmabuf: BorrowedFd<'_>, size: usize, off: usize, data: &[u8]) -> anyhow::Result<()> {
+    let map = fgds::CpuMapping::new(dmabuf, size)?;
+    map.write(off, data);
+    Ok(())
+}
+
+pub fn gpu_fill(dmabuf: BorrowedFd<'_>, size: usize, byte: u8) -> anyhow::Result<()> {
+    gpu_write(dmabuf, size, 0, &vec![byte; size])
+}
+
+/// Fails unless `buf` is the NVMe pattern at `nvme_off`.
+pub fn check_nvme_pattern(nvme_off: u64, buf: &[u8]) -> anyhow::Result<()> {
+    use fgds_tests::pattern;
+    if let Some(at) = pattern::first_mismatch(pattern::NVME_SEED, nvme_off, buf) {
+        bail!("data differs from the NVMe pattern at byte {} of the buffer", at);
+    }
+    Ok(())
+}
+
+/// Revokes the vgpu buffer at `bar_offset` (as the GPU driver does on eviction).
+pub fn revoke(bar_offset: u64) -> anyhow::Result<()> {
+    std::fs::write("/sys/class/vgpu/vgpu0/revoke", format!("{bar_offset}"))
+        .context("cannot write /sys/class/vgpu/vgpu0/revoke")
+}
+
+/// Runs `f` in a forked child and returns its wait status (exit code, or 128 + signal).
+pub fn in_child(f: impl FnOnce() -> i32) -> anyhow::Result<i32> {
+    // SAFETY: the test binaries are single-threaded when they fork.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        bail!("fork: {}", std::io::Error::last_os_error());
+    }
+    if pid == 0 {
+        let code = f();
+        // SAFETY: leave the child without running the parent's atexit handlers.
+        unsafe { libc::_exit(code) };
+    }
+    wait(pid)
+}
+
+pub fn wait(pid: libc::pid_t) -> anyhow::Result<i32> {
+    let mut status = 0;
+    // SAFETY: plain waitpid on our own child.
+    if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+        bail!("waitpid: {}", std::io::Error::last_os_error());
+    }
+    Ok(if libc::WIFSIGNALED(status) {
+        128 + libc::WTERMSIG(status)
+    } else {
+        libc::WEXITSTATUS(status)
+    })
+}
+
+/// Touches one byte of a mapping in a child; returns its wait status (128 + SIGBUS on SIGBUS).
+pub fn touch_in_child(ptr: *mut u8) -> anyhow::Result<i32> {
+    in_child(|| {
+        // SAFETY: a deliberate access to a possibly revoked mapping, in a throwaway child.
+        unsafe { std::ptr::write_volatile(ptr, 0x5a) };
+        0
+    })
+}
