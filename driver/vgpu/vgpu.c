@@ -12,6 +12,7 @@
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
 #include <linux/cdev.h>
+#include <linux/delay.h>
 #include <linux/device.h>
 #include <linux/dma-buf.h>
 #include <linux/dma-mapping.h>
@@ -33,6 +34,7 @@
 #include <linux/sysfs.h>
 #include <linux/uaccess.h>
 #include <linux/wait.h>
+#include <linux/workqueue.h>
 
 #include <uapi/linux/vgpu.h>
 
@@ -45,8 +47,11 @@
 /* Largest page-aligned length a scatterlist entry can describe. */
 #define VGPU_MAX_SEG		ALIGN_DOWN(UINT_MAX, PAGE_SIZE)
 
-/* How long device removal waits between complaints about importers. */
+/* How long vgpu waits between complaints about importers. */
 #define VGPU_REMOVE_WAIT	(10 * HZ)
+
+/* How often vgpu looks whether a released buffer's pages are let go. */
+#define VGPU_RECLAIM_DELAY	(HZ / 20)
 
 /**
  * DOC: design
@@ -79,10 +84,14 @@
  * reservation lock.
  *
  * Lifetime: a buffer holds a reference on its &vgpu_device (whose embedded
- * class device frees it), so buffers may outlive the PCI device in plain
- * mode; they are revoked when the device goes. In p2pdma mode the P2PDMA
- * pool dies with the driver binding, so removal waits until every buffer
- * has been released.
+ * class device frees it), so buffers may outlive the PCI device; they are
+ * revoked when the device goes, and removal waits until importers have
+ * unmapped them. In p2pdma mode the P2PDMA pool dies with the driver
+ * binding, so removal also waits until no page of any buffer is referenced
+ * any more and gives every range back; the dma-bufs live on as empty,
+ * revoked shells until userspace closes them. A P2PDMA range whose pages
+ * are still referenced when its dma-buf is released (an importer's I/O in
+ * flight) goes back to the pool only once they are let go.
  */
 
 enum vgpu_mode {
@@ -115,11 +124,15 @@ enum vgpu_route {
  * @bar_size: length of BAR2
  * @pool: plain mode: allocator over [@bar_phys, @bar_phys + @bar_size)
  * @provider: 7.x with CONFIG_PCI_P2PDMA: P2PDMA provider of BAR2
- * @lock: protects @buffers, @nr_buffers and @removed
+ * @lock: protects @buffers, @nr_buffers, @nr_p2p_ranges and @removed
  * @buffers: live buffers (&vgpu_buffer.node)
  * @nr_buffers: number of entries in @buffers
+ * @nr_p2p_ranges: p2pdma mode: ranges not yet back in the P2PDMA pool
  * @removed: the PCI device is gone; no new buffers
- * @wq: woken when a buffer is unmapped by an importer or released
+ * @zombies: p2pdma mode: released buffers whose pages are still referenced
+ * @reclaim: gives the ranges of @zombies back once their pages are let go
+ * @wq: woken when a buffer is unmapped by an importer, or a buffer or range
+ *	is released
  */
 struct vgpu_device {
 	struct device dev;
@@ -132,10 +145,13 @@ struct vgpu_device {
 	resource_size_t bar_size;
 	struct gen_pool *pool;
 	struct p2pdma_provider *provider;
-	struct mutex lock;
+	struct mutex lock;	/* see above */
 	struct list_head buffers;
 	unsigned int nr_buffers;
+	unsigned int nr_p2p_ranges;
 	bool removed;
+	struct list_head zombies;
+	struct delayed_work reclaim;
 	wait_queue_head_t wq;
 };
 
@@ -143,12 +159,15 @@ struct vgpu_device {
  * struct vgpu_buffer - one exported BAR range
  * @vgpu: owning device (referenced)
  * @dmabuf: the dma-buf; it owns this struct
- * @node: entry in &vgpu_device.buffers
+ * @node: entry in &vgpu_device.buffers, or in &vgpu_device.zombies once
+ *	released with pages still referenced
  * @bar_offset: start of the range in BAR2
  * @size: length of the range
- * @p2p_addr: p2pdma mode: address returned by pci_alloc_p2pmem()
+ * @p2p_addr: p2pdma mode: address returned by pci_alloc_p2pmem(), NULL
+ *	once the range is back in the pool (under &vgpu_device.lock)
  * @p2p_idle_refs: p2pdma mode: page reference count of an unused page
  * @remove_seen: device removal has taken care of this buffer (under lock)
+ * @warn_at: zombie: when to complain next that its pages are still held
  * @revoked: no new mappings, CPU faults get SIGBUS (under resv)
  * @pins: importer pins (under resv)
  * @maps: live importer mappings, &vgpu_mapping.node (under resv)
@@ -163,6 +182,7 @@ struct vgpu_buffer {
 	void *p2p_addr;
 	int p2p_idle_refs;
 	bool remove_seen;
+	unsigned long warn_at;
 	bool revoked;
 	unsigned int pins;
 	struct list_head maps;
@@ -192,6 +212,7 @@ module_param(revoke_timeout_ms, uint, 0644);
 MODULE_PARM_DESC(revoke_timeout_ms, "How long a write to sysfs revoke waits for importers to unmap the buffer (default 10000)");
 
 static enum vgpu_mode vgpu_mode;
+static struct workqueue_struct *vgpu_wq;
 static struct class *vgpu_class;
 static dev_t vgpu_devt;
 static DEFINE_IDA(vgpu_ida);
@@ -205,7 +226,7 @@ static struct vgpu_device *to_vgpu(struct device *dev)
 
 /**
  * vgpu_range_alloc() - take a free contiguous range of BAR2 for @buf
- * @vgpu: the device
+ * @vgpu: the device, its lock held
  * @buf: buffer whose @size is set; @bar_offset (and @p2p_addr) are filled in
  *
  * Return: 0, or -ENOMEM if no free range of that size exists.
@@ -215,6 +236,8 @@ static int vgpu_range_alloc(struct vgpu_device *vgpu, struct vgpu_buffer *buf)
 	unsigned long addr;
 	void *p2p;
 	u64 i;
+
+	lockdep_assert_held(&vgpu->lock);
 
 	if (vgpu->mode == VGPU_MODE_PLAIN) {
 		addr = gen_pool_alloc(vgpu->pool, buf->size);
@@ -230,50 +253,66 @@ static int vgpu_range_alloc(struct vgpu_device *vgpu, struct vgpu_buffer *buf)
 	buf->p2p_addr = p2p;
 	buf->bar_offset = pci_p2pmem_virt_to_bus(vgpu->pdev, p2p) -
 			  vgpu->bar_bus;
+	vgpu->nr_p2p_ranges++;
 	/*
 	 * P2PDMA pages idle at refcount 1 up to 6.12 and at 0 from 7.x. Note
-	 * what a fresh page has here so release can tell whether someone still
-	 * holds a page.
+	 * what a page fresh from the pool has, so that vgpu can tell later
+	 * whether someone still holds one.
 	 */
 	buf->p2p_idle_refs = page_ref_count(virt_to_page(p2p));
 	for (i = 0; i < buf->size; i += PAGE_SIZE)
-		WARN_ON_ONCE(page_ref_count(virt_to_page(p2p + i)) !=
-			     buf->p2p_idle_refs);
+		WARN_ONCE(page_ref_count(virt_to_page(p2p + i)) !=
+			  buf->p2p_idle_refs,
+			  "vgpu%d: free P2PDMA page at BAR2 offset %#llx has refcount %d, others %d: someone kept a reference to a released buffer\n",
+			  vgpu->id, buf->bar_offset + i,
+			  page_ref_count(virt_to_page(p2p + i)),
+			  buf->p2p_idle_refs);
 	return 0;
+}
+
+/*
+ * p2pdma mode: true if no page of @buf is referenced beyond the idle count,
+ * i.e. nobody maps it or does I/O to it through struct pages. Else *@busy is
+ * the offset of a referenced page in @buf.
+ */
+static bool vgpu_p2p_idle(struct vgpu_buffer *buf, u64 *busy)
+{
+	u64 i;
+
+	for (i = 0; i < buf->size; i += PAGE_SIZE) {
+		if (page_ref_count(virt_to_page(buf->p2p_addr + i)) !=
+		    buf->p2p_idle_refs) {
+			*busy = i;
+			return false;
+		}
+	}
+	return true;
 }
 
 /**
  * vgpu_range_free() - give @buf's range back to the device's pool
- * @vgpu: the device
- * @buf: the buffer being released
+ * @vgpu: the device, its lock held
+ * @buf: the buffer
  *
- * In p2pdma mode the range is leaked, with a warning, if any of its pages
- * still has a reference beyond the idle one: freeing it would let the pool
- * hand out memory that someone still maps or does I/O to, and would free
- * the pages twice when that reference drops.
+ * In p2pdma mode the caller has checked vgpu_p2p_idle(): a P2PDMA page
+ * freed while referenced would be handed out again while still in use, and
+ * freed a second time when its last reference drops. Does nothing if
+ * removal already gave the range back.
  */
 static void vgpu_range_free(struct vgpu_device *vgpu, struct vgpu_buffer *buf)
 {
-	u64 i;
+	lockdep_assert_held(&vgpu->lock);
 
 	if (vgpu->mode == VGPU_MODE_PLAIN) {
 		gen_pool_free(vgpu->pool, vgpu->bar_phys + buf->bar_offset,
 			      buf->size);
 		return;
 	}
-
-	for (i = 0; i < buf->size; i += PAGE_SIZE) {
-		struct page *page = virt_to_page(buf->p2p_addr + i);
-
-		if (page_ref_count(page) != buf->p2p_idle_refs) {
-			WARN_ONCE(1, "vgpu%d: buffer %#llx released while its page at %#llx has refcount %d (idle %d); leaking it\n",
-				  vgpu->id, buf->bar_offset,
-				  buf->bar_offset + i, page_ref_count(page),
-				  buf->p2p_idle_refs);
-			return;
-		}
-	}
+	if (!buf->p2p_addr)
+		return;
 	pci_free_p2pmem(vgpu->pdev, buf->p2p_addr, buf->size);
+	buf->p2p_addr = NULL;
+	vgpu->nr_p2p_ranges--;
 }
 
 /* --- DMA mappings for importers --- */
@@ -612,17 +651,78 @@ static void vgpu_dmabuf_release(struct dma_buf *dmabuf)
 	struct vgpu_buffer *buf = dmabuf->priv;
 	struct vgpu_device *vgpu = buf->vgpu;
 
+	u64 busy;
+
 	/* The core detached every importer before the last reference went. */
 	WARN_ON_ONCE(buf->pins || buf->nr_maps);
 
 	mutex_lock(&vgpu->lock);
 	list_del(&buf->node);
 	vgpu->nr_buffers--;
+	if (vgpu->mode == VGPU_MODE_P2PDMA && buf->p2p_addr &&
+	    !vgpu_p2p_idle(buf, &busy)) {
+		/*
+		 * An importer still holds pages of the buffer (I/O it started
+		 * may be in flight). Handing them out again now could let that
+		 * I/O land in the next buffer: wait until they are let go.
+		 */
+		dev_warn(&vgpu->dev, "buffer %#llx released while its P2PDMA page at offset %#llx is still referenced (refcount %d, idle %d); its range goes back to the pool once the importer lets go\n",
+			 buf->bar_offset, busy,
+			 page_ref_count(virt_to_page(buf->p2p_addr + busy)),
+			 buf->p2p_idle_refs);
+		buf->warn_at = jiffies + VGPU_REMOVE_WAIT;
+		list_add_tail(&buf->node, &vgpu->zombies);
+		if (queue_delayed_work(vgpu_wq, &vgpu->reclaim,
+				       VGPU_RECLAIM_DELAY))
+			get_device(&vgpu->dev);
+		mutex_unlock(&vgpu->lock);
+		return;
+	}
 	vgpu_range_free(vgpu, buf);
 	mutex_unlock(&vgpu->lock);
 	wake_up_all(&vgpu->wq);
 
 	kfree(buf);
+	put_device(&vgpu->dev);
+}
+
+/*
+ * p2pdma mode: give the ranges of released buffers back to the pool once no
+ * page of theirs is referenced any more. A queued run holds a reference on
+ * the device; each zombie holds its own.
+ */
+static void vgpu_reclaim_work(struct work_struct *work)
+{
+	struct vgpu_device *vgpu = container_of(to_delayed_work(work),
+						struct vgpu_device, reclaim);
+	struct vgpu_buffer *buf, *tmp;
+	LIST_HEAD(done);
+	u64 busy;
+
+	mutex_lock(&vgpu->lock);
+	list_for_each_entry_safe(buf, tmp, &vgpu->zombies, node) {
+		if (vgpu_p2p_idle(buf, &busy)) {
+			vgpu_range_free(vgpu, buf);
+			list_move(&buf->node, &done);
+		} else if (time_after(jiffies, buf->warn_at)) {
+			dev_warn(&vgpu->dev, "released buffer %#llx: P2PDMA page at offset %#llx still referenced (refcount %d, idle %d)\n",
+				 buf->bar_offset, busy,
+				 page_ref_count(virt_to_page(buf->p2p_addr + busy)),
+				 buf->p2p_idle_refs);
+			buf->warn_at = jiffies + VGPU_REMOVE_WAIT;
+		}
+	}
+	if (!list_empty(&vgpu->zombies) &&
+	    queue_delayed_work(vgpu_wq, &vgpu->reclaim, VGPU_RECLAIM_DELAY))
+		get_device(&vgpu->dev);
+	mutex_unlock(&vgpu->lock);
+	wake_up_all(&vgpu->wq);
+
+	list_for_each_entry_safe(buf, tmp, &done, node) {
+		kfree(buf);
+		put_device(&vgpu->dev);
+	}
+	/* The queued run's reference; may be the last one. */
 	put_device(&vgpu->dev);
 }
 
@@ -954,6 +1054,7 @@ static void vgpu_dev_release(struct device *dev)
 {
 	struct vgpu_device *vgpu = to_vgpu(dev);
 
+	WARN_ON_ONCE(!list_empty(&vgpu->zombies));
 	if (vgpu->pool)
 		gen_pool_destroy(vgpu->pool);
 	ida_free(&vgpu_ida, vgpu->id);
@@ -1107,6 +1208,8 @@ static int vgpu_probe(struct pci_dev *pdev, const struct pci_device_id *id)
 	vgpu->bar_size = pci_resource_len(pdev, VGPU_BAR);
 	mutex_init(&vgpu->lock);
 	INIT_LIST_HEAD(&vgpu->buffers);
+	INIT_LIST_HEAD(&vgpu->zombies);
+	INIT_DELAYED_WORK(&vgpu->reclaim, vgpu_reclaim_work);
 	init_waitqueue_head(&vgpu->wq);
 
 	/* From here on vgpu_dev_release() frees vgpu. */
@@ -1144,6 +1247,35 @@ err_put:
 	return ret;
 }
 
+/*
+ * p2pdma mode, device removal: once @buf is revoked and unmapped, wait until
+ * nobody holds its pages any more (I/O an importer started before the
+ * revocation may still be in flight) and give the range back to the P2PDMA
+ * pool now, which devres destroys after remove(). The dma-buf itself may
+ * live on as an empty, revoked shell until userspace closes it.
+ */
+static void vgpu_p2p_reclaim(struct vgpu_buffer *buf)
+{
+	struct vgpu_device *vgpu = buf->vgpu;
+	unsigned long warn_at = jiffies + VGPU_REMOVE_WAIT;
+	u64 busy;
+
+	while (!vgpu_p2p_idle(buf, &busy)) {
+		if (time_after(jiffies, warn_at)) {
+			dev_warn(&vgpu->dev, "removal waits for the P2PDMA page at offset %#llx of buffer %#llx to be let go (refcount %d, idle %d)\n",
+				 busy, buf->bar_offset,
+				 page_ref_count(virt_to_page(buf->p2p_addr + busy)),
+				 buf->p2p_idle_refs);
+			warn_at = jiffies + VGPU_REMOVE_WAIT;
+		}
+		msleep(20);
+	}
+	mutex_lock(&vgpu->lock);
+	vgpu_range_free(vgpu, buf);
+	mutex_unlock(&vgpu->lock);
+	wake_up_all(&vgpu->wq);
+}
+
 static void vgpu_remove(struct pci_dev *pdev)
 {
 	struct vgpu_device *vgpu = pci_get_drvdata(pdev);
@@ -1166,19 +1298,23 @@ static void vgpu_remove(struct pci_dev *pdev)
 		while (!vgpu_wait_unmapped(buf, VGPU_REMOVE_WAIT))
 			dev_warn(&vgpu->dev, "removal waits for importers to unmap buffer %#llx\n",
 				 buf->bar_offset);
+		if (vgpu->mode == VGPU_MODE_P2PDMA)
+			vgpu_p2p_reclaim(buf);
 		dma_buf_put(buf->dmabuf);
 	}
 
 	/*
-	 * P2PDMA memory must all be back in its pool before devres tears the
-	 * pool down after this function returns.
+	 * All P2PDMA memory must be back in its pool before devres destroys
+	 * the pool after this function returns. Buffers skipped above were
+	 * already being released; their release, or the reclaim work for
+	 * those whose pages were still held, gives their range back.
 	 */
 	if (vgpu->mode == VGPU_MODE_P2PDMA) {
 		while (!wait_event_timeout(vgpu->wq,
-					   !READ_ONCE(vgpu->nr_buffers),
+					   !READ_ONCE(vgpu->nr_p2p_ranges),
 					   VGPU_REMOVE_WAIT))
-			dev_warn(&vgpu->dev, "removal waits for %u revoked buffers to be released: close their dma-buf fds and mappings\n",
-				 READ_ONCE(vgpu->nr_buffers));
+			dev_warn(&vgpu->dev, "removal waits for %u P2PDMA ranges of released buffers to be let go\n",
+				 READ_ONCE(vgpu->nr_p2p_ranges));
 	}
 
 	put_device(&vgpu->dev);
@@ -1208,9 +1344,15 @@ static int __init vgpu_init(void)
 	}
 	vgpu_mode = ret;
 
+	vgpu_wq = alloc_workqueue("vgpu", 0, 0);
+	if (!vgpu_wq)
+		return -ENOMEM;
+
 	vgpu_class = fgds_class_create("vgpu");
-	if (IS_ERR(vgpu_class))
-		return PTR_ERR(vgpu_class);
+	if (IS_ERR(vgpu_class)) {
+		ret = PTR_ERR(vgpu_class);
+		goto err_wq;
+	}
 
 	ret = alloc_chrdev_region(&vgpu_devt, 0, VGPU_MAX_DEVICES, "vgpu");
 	if (ret)
@@ -1225,6 +1367,8 @@ err_chrdev:
 	unregister_chrdev_region(vgpu_devt, VGPU_MAX_DEVICES);
 err_class:
 	class_destroy(vgpu_class);
+err_wq:
+	destroy_workqueue(vgpu_wq);
 	return ret;
 }
 module_init(vgpu_init);
@@ -1234,6 +1378,8 @@ static void __exit vgpu_exit(void)
 	pci_unregister_driver(&vgpu_pci_driver);
 	unregister_chrdev_region(vgpu_devt, VGPU_MAX_DEVICES);
 	class_destroy(vgpu_class);
+	/* Removal waited for every zombie; this waits for the work's tail. */
+	destroy_workqueue(vgpu_wq);
 }
 module_exit(vgpu_exit);
 
