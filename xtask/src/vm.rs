@@ -186,7 +186,7 @@ fn run_machine(
     let files = machine::run_files(&config.run_dir);
     let mut shown = 0;
     let mut boot = None;
-    let exit = vm.wait(limit, || {
+    let mut show_new_results = || {
         let text = std::fs::read_to_string(&files.ktap).unwrap_or_default();
         let lines = text
             .lines()
@@ -199,6 +199,8 @@ fn run_machine(
             eprintln!("  [{:6.1}s] {line}", started.elapsed().as_secs_f64());
         }
         shown = lines.len();
-    })?;
+    };
+    let exit = vm.wait(limit, &mut show_new_results)?;
+    show_new_results();
     Ok(((exit, vm.elapsed()), boot))
 }
