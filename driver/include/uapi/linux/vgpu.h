@@ -59,8 +59,10 @@
  *	parameter (the buffer stays revoked). Revoking twice is not an error.
  *
  * When the PCI device goes away (unbind, hot-unplug), every buffer is revoked
- * as above, the removal waits until importers have unmapped them, and
- * &VGPU_IOCTL_ALLOC on a still open ``/dev/vgpuN`` fails with ``ENODEV``.
+ * as above and the removal waits until importers have unmapped them (in
+ * ``p2pdma`` mode also until no page of theirs is referenced any more).
+ * Their dma-bufs stay valid but empty until closed, and &VGPU_IOCTL_ALLOC
+ * on a still open ``/dev/vgpuN`` fails with ``ENODEV``.
  */
 
 /**
