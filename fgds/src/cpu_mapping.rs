@@ -58,7 +58,9 @@ impl CpuMapping {
     /// Copies `src` into the mapping at `offset`, 8 bytes at a time.
     pub fn write(&self, offset: usize, src: &[u8]) {
         assert!(
-            offset % 8 == 0 && src.len() % 8 == 0 && offset + src.len() <= self.len,
+            offset.is_multiple_of(8)
+                && src.len().is_multiple_of(8)
+                && offset + src.len() <= self.len,
             "unaligned or out of bounds"
         );
         for (i, chunk) in src.chunks_exact(8).enumerate() {
@@ -77,7 +79,9 @@ impl CpuMapping {
     /// Copies from the mapping at `offset` into `dst`, 8 bytes at a time.
     pub fn read(&self, offset: usize, dst: &mut [u8]) {
         assert!(
-            offset % 8 == 0 && dst.len() % 8 == 0 && offset + dst.len() <= self.len,
+            offset.is_multiple_of(8)
+                && dst.len().is_multiple_of(8)
+                && offset + dst.len() <= self.len,
             "unaligned or out of bounds"
         );
         for (i, chunk) in dst.chunks_exact_mut(8).enumerate() {

@@ -99,7 +99,7 @@ impl Gpu {
     /// ```
     pub fn register(&self, dmabuf: BorrowedFd<'_>, offset: u64, len: u64) -> Result<Buffer> {
         let page = rustix::param::page_size() as u64;
-        if len == 0 || len % page != 0 || offset % page != 0 {
+        if len == 0 || !len.is_multiple_of(page) || !offset.is_multiple_of(page) {
             return Err(Error::Invalid(format!(
                 "dma-buf offset {offset:#x} and length {len:#x} must be non-zero multiples of the page size ({page:#x})"
             )));

@@ -55,6 +55,15 @@ pub struct Transfer {
     config: TransferConfig,
 }
 
+/// What one `run` call moves, shared by its sub-requests.
+struct Job<'a> {
+    dir: Direction,
+    buffer: &'a Buffer,
+    range: Range<usize>,
+    file: &'a File,
+    file_offset: u64,
+}
+
 /// One sub-request: where it is in the range and how much of it is done.
 struct Chunk {
     start: usize,
@@ -93,7 +102,7 @@ impl Transfer {
         file_offset: u64,
     ) -> Result<usize> {
         check_direct_io(file, file_offset, &range, buffer.len())?;
-        if self.config.chunk_size as u64 % crate::buffer::dio_alignment(file) != 0 {
+        if !(self.config.chunk_size as u64).is_multiple_of(crate::buffer::dio_alignment(file)) {
             return Err(Error::Invalid(format!(
                 "chunk size {} is not a multiple of the file's O_DIRECT alignment",
                 self.config.chunk_size
@@ -115,6 +124,13 @@ impl Transfer {
             });
             at += len;
         }
+        let job = Job {
+            dir,
+            buffer,
+            range: range.clone(),
+            file,
+            file_offset,
+        };
         let mut next = 0;
         let mut in_flight = 0usize;
         // The first failure in range order: (chunk index, error).
@@ -126,7 +142,7 @@ impl Transfer {
                 && next < chunks.len()
                 && in_flight < self.config.queue_depth as usize
             {
-                self.submit(dir, buffer, &range, file, file_offset, &chunks[next], next)?;
+                self.submit(&job, &chunks[next], next)?;
                 next += 1;
                 in_flight += 1;
             }
@@ -159,15 +175,7 @@ impl Transfer {
                     short = Some(short.map_or(index, |s| s.min(index)));
                 } else if chunk.done < chunk.len && failure.is_none() {
                     // A partial completion: ask for the rest.
-                    self.submit(
-                        dir,
-                        buffer,
-                        &range,
-                        file,
-                        file_offset,
-                        &chunks[index],
-                        index,
-                    )?;
+                    self.submit(&job, &chunks[index], index)?;
                     in_flight += 1;
                 }
             }
@@ -194,19 +202,11 @@ impl Transfer {
         }
     }
 
-    fn submit(
-        &mut self,
-        dir: Direction,
-        buffer: &Buffer,
-        range: &Range<usize>,
-        file: &File,
-        file_offset: u64,
-        chunk: &Chunk,
-        index: usize,
-    ) -> Result<()> {
-        let offset = range.start + chunk.start + chunk.done;
+    fn submit(&mut self, job: &Job<'_>, chunk: &Chunk, index: usize) -> Result<()> {
+        let (dir, file, file_offset) = (job.dir, job.file, job.file_offset);
+        let offset = job.range.start + chunk.start + chunk.done;
         // SAFETY: `offset + (len - done)` stays inside `range`, which is inside the buffer.
-        let ptr = unsafe { buffer.as_ptr().add(offset) };
+        let ptr = unsafe { job.buffer.as_ptr().add(offset) };
         let len = (chunk.len - chunk.done) as u32;
         let file_off = file_offset + (chunk.start + chunk.done) as u64;
         let fd = types::Fd(file.as_raw_fd());

@@ -104,9 +104,7 @@ pub fn args(config: &Config) -> Vec<String> {
     ]);
     push(&[
         "-append",
-        &format!("{BASE_CMDLINE} {}", config.cmdline)
-            .trim()
-            .to_owned(),
+        format!("{BASE_CMDLINE} {}", config.cmdline).trim(),
     ]);
     push(&[
         "-chardev",

@@ -29,7 +29,7 @@ pub fn word(seed: u64, offset: u64) -> u64 {
 /// `offset` and `buf.len()` must be multiples of 8.
 pub fn fill(seed: u64, offset: u64, buf: &mut [u8]) {
     assert!(
-        offset % 8 == 0 && buf.len() % 8 == 0,
+        offset.is_multiple_of(8) && buf.len().is_multiple_of(8),
         "pattern offset and length must be multiples of 8"
     );
     for (i, chunk) in buf.chunks_exact_mut(8).enumerate() {
@@ -40,7 +40,7 @@ pub fn fill(seed: u64, offset: u64, buf: &mut [u8]) {
 /// Returns the byte offset (relative to `buf`) of the first byte that differs from the pattern.
 pub fn first_mismatch(seed: u64, offset: u64, buf: &[u8]) -> Option<usize> {
     assert!(
-        offset % 8 == 0 && buf.len() % 8 == 0,
+        offset.is_multiple_of(8) && buf.len().is_multiple_of(8),
         "pattern offset and length must be multiples of 8"
     );
     buf.chunks_exact(8).enumerate().find_map(|(i, chunk)| {

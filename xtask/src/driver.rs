@@ -70,7 +70,6 @@ pub fn build(kernel: &Kernel, out_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
 fn is_diagnostic(line: &str) -> bool {
     let quiet_step = line.starts_with("  ")
         && line
-            .trim_start()
             .split_whitespace()
             .next()
             .is_some_and(|w| w.chars().all(|c| c.is_ascii_uppercase()));

@@ -119,7 +119,10 @@ pub fn make_initramfs(
     );
     tree.insert(
         "bin/fgds".to_owned(),
-        Entry::File { source: bin_dir.join("fgds"), mode: 0o755 },
+        Entry::File {
+            source: bin_dir.join("fgds"),
+            mode: 0o755,
+        },
     );
 
     let mut names = KERNEL_MODULES.to_vec();
@@ -142,11 +145,7 @@ pub fn make_initramfs(
     }
     for module in rig_modules {
         let guest = format!("modules/rig/{}", file_name(&module.ko));
-        plan.push_str(
-            &format!("module rig /{guest} {}\n", module.params)
-                .trim_end()
-                .to_owned(),
-        );
+        plan.push_str(format!("module rig /{guest} {}\n", module.params).trim_end());
         plan.push('\n');
         tree.insert(
             guest,

@@ -40,7 +40,7 @@ fn main() {
     if let Err(err) = run() {
         console(&format!("fgds-init: {err:#}"));
     }
-    let _ = rustix::fs::sync();
+    rustix::fs::sync();
     // SAFETY: `reboot(2)` with RB_POWER_OFF has no memory-safety preconditions.
     unsafe { libc::reboot(libc::RB_POWER_OFF) };
     loop {

@@ -72,7 +72,9 @@ struct Sample {
 pub fn run(opts: &Options) -> anyhow::Result<()> {
     let file_path = match &opts.file {
         Some(path) => path.clone(),
-        None => PathBuf::from(std::env::var_os("FGDS_NVME").context("give --file (or set FGDS_NVME)")?),
+        None => {
+            PathBuf::from(std::env::var_os("FGDS_NVME").context("give --file (or set FGDS_NVME)")?)
+        }
     };
     let write = match opts.op.as_str() {
         "read" => false,
@@ -93,7 +95,10 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let file = fgds::open_direct(&file_path, write)?;
     let region = opts.block_size * opts.queue_depth;
     let buffer_len = region * opts.threads;
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned();
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
 
     let mut rows = Vec::new();
     let mut ram_mib_s = None;
@@ -108,16 +113,28 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         };
         let mut samples = Vec::new();
         for rep in 0..opts.repeat {
-            eprint!("\rbench: {mode} {} {} KiB qd {} x{}: repetition {}/{}   ", opts.op, opts.block_size >> 10, opts.queue_depth, opts.threads, rep + 1, opts.repeat);
+            eprint!(
+                "\rbench: {mode} {} {} KiB qd {} x{}: repetition {}/{}   ",
+                opts.op,
+                opts.block_size >> 10,
+                opts.queue_depth,
+                opts.threads,
+                rep + 1,
+                opts.repeat
+            );
             samples.push(run_once(&target, &file, opts, write)?);
         }
         eprintln!();
-        let mut rates = samples.iter().map(|s| opts.total as f64 / (1 << 20) as f64 / s.secs).collect::<Vec<_>>();
+        let mut rates = samples
+            .iter()
+            .map(|s| opts.total as f64 / (1 << 20) as f64 / s.secs)
+            .collect::<Vec<_>>();
         rates.sort_by(f64::total_cmp);
         let median = rates[rates.len() / 2];
         let mid = samples[samples.len() / 2];
         let gib = opts.total as f64 / (1u64 << 30) as f64;
-        let cpu_per_gib = samples.iter().map(|s| s.cpu_secs).sum::<f64>() / samples.len() as f64 / gib;
+        let cpu_per_gib =
+            samples.iter().map(|s| s.cpu_secs).sum::<f64>() / samples.len() as f64 / gib;
         if mode == "ram" {
             ram_mib_s = Some(median);
         }
@@ -143,10 +160,16 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
-    println!("{:<8} {:>10} {:>17} {:>10} {:>9} {:>9} {:>8}", "mode", "MiB/s", "spread", "CPU s/GiB", "p50 us", "p99 us", "x ram");
+    println!(
+        "{:<8} {:>10} {:>17} {:>10} {:>9} {:>9} {:>8}",
+        "mode", "MiB/s", "spread", "CPU s/GiB", "p50 us", "p99 us", "x ram"
+    );
     for row in &rows {
         if let Some(reason) = row["skipped"].as_str() {
-            println!("{:<8} skipped: {reason}", row["mode"].as_str().unwrap_or(""));
+            println!(
+                "{:<8} skipped: {reason}",
+                row["mode"].as_str().unwrap_or("")
+            );
             continue;
         }
         let ratio = match (row["mib_s"].as_f64(), ram_mib_s) {
@@ -172,7 +195,11 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
 enum Target {
     Ram(Anon),
     Direct(fgds::Buffer),
-    Bounce { ram: Anon, gpu: CpuMapping, _dmabuf: crate::Dmabuf },
+    Bounce {
+        ram: Anon,
+        gpu: CpuMapping,
+        _dmabuf: crate::Dmabuf,
+    },
     P2pmem(Anon),
 }
 
@@ -205,12 +232,20 @@ impl Drop for Anon {
 fn anon(len: usize) -> anyhow::Result<Anon> {
     // SAFETY: a new private anonymous mapping aliases nothing.
     let ptr = unsafe {
-        rustix::mm::mmap_anonymous(std::ptr::null_mut(), len, rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE, rustix::mm::MapFlags::PRIVATE)
+        rustix::mm::mmap_anonymous(
+            std::ptr::null_mut(),
+            len,
+            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+            rustix::mm::MapFlags::PRIVATE,
+        )
     }?;
     // Touch it so that page faults are not part of the measurement.
     // SAFETY: the mapping is `len` bytes and writable.
     unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
-    Ok(Anon { ptr: ptr.cast(), len })
+    Ok(Anon {
+        ptr: ptr.cast(),
+        len,
+    })
 }
 
 fn make_target(mode: &str, opts: &Options, len: usize) -> anyhow::Result<Target> {
@@ -222,8 +257,13 @@ fn make_target(mode: &str, opts: &Options, len: usize) -> anyhow::Result<Target>
         }
         "bounce" => {
             let (_, dmabuf) = crate::resolve(&opts.source, len as u64)?;
-            let gpu = CpuMapping::new(dmabuf.fd(), len).context("the exporter's CPU mapping of the dma-buf")?;
-            Ok(Target::Bounce { ram: anon(len)?, gpu, _dmabuf: dmabuf })
+            let gpu = CpuMapping::new(dmabuf.fd(), len)
+                .context("the exporter's CPU mapping of the dma-buf")?;
+            Ok(Target::Bounce {
+                ram: anon(len)?,
+                gpu,
+                _dmabuf: dmabuf,
+            })
         }
         "p2pmem" => p2pmem(opts, len).map(Target::P2pmem),
         _ => unreachable!("modes are checked in run"),
@@ -233,33 +273,59 @@ fn make_target(mode: &str, opts: &Options, len: usize) -> anyhow::Result<Target>
 fn p2pmem(opts: &Options, len: usize) -> anyhow::Result<Anon> {
     let bdf = match &opts.source.gpu {
         Some(bdf) => bdf.clone(),
-        None => Gpu::list()?.first().map(|g| g.bdf.clone()).context("no GPU to take p2pmem from")?,
+        None => Gpu::list()?
+            .first()
+            .map(|g| g.bdf.clone())
+            .context("no GPU to take p2pmem from")?,
     };
     let dir = PathBuf::from(format!("/sys/bus/pci/devices/{bdf}/p2pmem"));
     if !dir.join("allocate").exists() {
-        bail!("{} does not exist: this kernel has no userspace p2pmem (it needs CONFIG_PCI_P2PDMA and Linux 6.2+) or the GPU's driver registered no P2PDMA memory", dir.join("allocate").display());
+        bail!(
+            "{} does not exist: this kernel has no userspace p2pmem (it needs CONFIG_PCI_P2PDMA and Linux 6.2+) or the GPU's driver registered no P2PDMA memory",
+            dir.join("allocate").display()
+        );
     }
     let published = std::fs::read_to_string(dir.join("published")).unwrap_or_default();
     if published.trim() != "1" {
         bail!("{bdf}'s P2PDMA memory is not published, so p2pmem/allocate cannot hand it out");
     }
-    let f = std::fs::OpenOptions::new().read(true).write(true).open(dir.join("allocate"))?;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join("allocate"))?;
     // SAFETY: a new shared mapping at a kernel-chosen address aliases nothing; it is only used
     // as an I/O address.
     let ptr = unsafe {
-        rustix::mm::mmap(std::ptr::null_mut(), len, rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE, rustix::mm::MapFlags::SHARED, f.as_fd(), 0)
+        rustix::mm::mmap(
+            std::ptr::null_mut(),
+            len,
+            rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+            rustix::mm::MapFlags::SHARED,
+            f.as_fd(),
+            0,
+        )
     }
     .context("mmap of p2pmem/allocate")?;
-    Ok(Anon { ptr: ptr.cast(), len })
+    Ok(Anon {
+        ptr: ptr.cast(),
+        len,
+    })
 }
 
 /// Busy CPU time of the whole machine so far (all CPUs, /proc/stat), in seconds.
 fn machine_cpu_secs() -> f64 {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
     let line = stat.lines().next().unwrap_or_default();
-    let fields = line.split_whitespace().skip(1).map(|v| v.parse::<u64>().unwrap_or(0)).collect::<Vec<_>>();
+    let fields = line
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse::<u64>().unwrap_or(0))
+        .collect::<Vec<_>>();
     // user nice system idle iowait irq softirq steal
-    let busy = [0, 1, 2, 5, 6, 7].iter().map(|&i| fields.get(i).copied().unwrap_or(0)).sum::<u64>();
+    let busy = [0, 1, 2, 5, 6, 7]
+        .iter()
+        .map(|&i| fields.get(i).copied().unwrap_or(0))
+        .sum::<u64>();
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     busy as f64 / hz
@@ -274,7 +340,18 @@ fn run_once(target: &Target, file: &File, opts: &Options, write: bool) -> anyhow
         let handles = (0..opts.threads)
             .map(|t| {
                 let base = target.io_ptr() as usize + t * region;
-                scope.spawn(move || thread_io(target, base, t * region, file, opts, write, per_thread, t as u64))
+                scope.spawn(move || {
+                    thread_io(
+                        target,
+                        base,
+                        t * region,
+                        file,
+                        opts,
+                        write,
+                        per_thread,
+                        t as u64,
+                    )
+                })
             })
             .collect::<Vec<_>>();
         let mut all = Vec::new();
@@ -287,8 +364,16 @@ fn run_once(target: &Target, file: &File, opts: &Options, write: bool) -> anyhow
     let cpu_secs = machine_cpu_secs() - cpu0;
     let mut lat = latencies;
     lat.sort();
-    let pct = |p: f64| lat.get(((lat.len() as f64 - 1.0) * p) as usize).map_or(0.0, |d| d.as_secs_f64() * 1e6);
-    Ok(Sample { secs, cpu_secs, p50_us: pct(0.5), p99_us: pct(0.99) })
+    let pct = |p: f64| {
+        lat.get(((lat.len() as f64 - 1.0) * p) as usize)
+            .map_or(0.0, |d| d.as_secs_f64() * 1e6)
+    };
+    Ok(Sample {
+        secs,
+        cpu_secs,
+        p50_us: pct(0.5),
+        p99_us: pct(0.99),
+    })
 }
 
 /// One thread's share: `bytes` in requests of `block_size`, `queue_depth` at a time, into its
@@ -317,14 +402,12 @@ fn thread_io(
         let ptr = (base + slot * bs) as *mut u8;
         let block = (request * opts.threads as u64 + thread) % span_blocks;
         let off = opts.file_offset + block * bs as u64;
-        if write {
-            if let Target::Bounce { ram, gpu, .. } = target {
-                let at = region_offset + slot * bs;
-                // SAFETY: `at..at+bs` is inside both mappings (same length), and this
-                // thread's slot is not in flight.
-                let dst = unsafe { std::slice::from_raw_parts_mut(ram.ptr.add(at), bs) };
-                gpu.read(at, dst);
-            }
+        if write && let Target::Bounce { ram, gpu, .. } = target {
+            let at = region_offset + slot * bs;
+            // SAFETY: `at..at+bs` is inside both mappings (same length), and this
+            // thread's slot is not in flight.
+            let dst = unsafe { std::slice::from_raw_parts_mut(ram.ptr.add(at), bs) };
+            gpu.read(at, dst);
         }
         let sqe = if write {
             opcode::Write::new(fd, ptr, bs as u32).offset(off).build()
@@ -333,7 +416,8 @@ fn thread_io(
         };
         // SAFETY: the slot's memory lives until the run ends, and the run waits for every
         // request before returning.
-        unsafe { ring.submission().push(&sqe.user_data(slot as u64)) }.map_err(|_| anyhow::format_err!("submission queue full"))?;
+        unsafe { ring.submission().push(&sqe.user_data(slot as u64)) }
+            .map_err(|_| anyhow::format_err!("submission queue full"))?;
         Ok(())
     };
     while next < n_requests && in_flight < opts.queue_depth {
@@ -344,7 +428,10 @@ fn thread_io(
     }
     while in_flight > 0 {
         ring.submit_and_wait(1)?;
-        let done = ring.completion().map(|c| (c.user_data() as usize, c.result())).collect::<Vec<_>>();
+        let done = ring
+            .completion()
+            .map(|c| (c.user_data() as usize, c.result()))
+            .collect::<Vec<_>>();
         for (slot, res) in done {
             in_flight -= 1;
             if res != bs as i32 {
@@ -353,16 +440,18 @@ fn thread_io(
                     ring.submit_and_wait(1)?;
                     in_flight -= ring.completion().count();
                 }
-                let what = if res < 0 { std::io::Error::from_raw_os_error(-res).to_string() } else { format!("{res} of {bs} bytes") };
+                let what = if res < 0 {
+                    std::io::Error::from_raw_os_error(-res).to_string()
+                } else {
+                    format!("{res} of {bs} bytes")
+                };
                 bail!("request failed: {what}");
             }
-            if !write {
-                if let Target::Bounce { ram, gpu, .. } = target {
-                    let at = region_offset + slot * bs;
-                    // SAFETY: as above; the request into this slot has completed.
-                    let src = unsafe { std::slice::from_raw_parts(ram.ptr.add(at), bs) };
-                    gpu.write(at, src);
-                }
+            if !write && let Target::Bounce { ram, gpu, .. } = target {
+                let at = region_offset + slot * bs;
+                // SAFETY: as above; the request into this slot has completed.
+                let src = unsafe { std::slice::from_raw_parts(ram.ptr.add(at), bs) };
+                gpu.write(at, src);
             }
             latencies.push(issued_at[slot].elapsed());
             if next < n_requests {

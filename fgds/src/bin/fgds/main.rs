@@ -12,7 +12,11 @@ use clap::{Parser, Subcommand};
 use fgds::{Direction, Gpu, Transfer, TransferConfig};
 
 #[derive(Parser)]
-#[command(name = "fgds", about = "Direct I/O between NVMe and GPU memory", arg_required_else_help = true)]
+#[command(
+    name = "fgds",
+    about = "Direct I/O between NVMe and GPU memory",
+    arg_required_else_help = true
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -104,10 +108,15 @@ fn list(json: bool) -> anyhow::Result<()> {
         return Ok(());
     }
     if gpus.is_empty() {
-        println!("no GPUs: is the fgds module loaded (modprobe fgds), and does a GPU have a prefetchable BAR of 64 MiB or more?");
+        println!(
+            "no GPUs: is the fgds module loaded (modprobe fgds), and does a GPU have a prefetchable BAR of 64 MiB or more?"
+        );
         return Ok(());
     }
-    println!("{:<14} {:<26} {:>10} {:<16} {:<10} {:>8} {:>12}", "GPU", "NODE", "BAR", "MODE", "IOMMU", "BUFFERS", "BYTES");
+    println!(
+        "{:<14} {:<26} {:>10} {:<16} {:<10} {:>8} {:>12}",
+        "GPU", "NODE", "BAR", "MODE", "IOMMU", "BUFFERS", "BYTES"
+    );
     for g in gpus {
         println!(
             "{:<14} {:<26} {:>7} MiB {:<16} {:<10} {:>8} {:>12}",
@@ -145,7 +154,9 @@ pub fn resolve(source: &Source, len: u64) -> anyhow::Result<(Gpu, Dmabuf)> {
         Some(bdf) => bdf.clone(),
         None => match Gpu::list()?.as_slice() {
             [only] => only.bdf.clone(),
-            [] => bail!("fgds serves no GPU: load the fgds module (with devices=<BDF> for a GPU that is not of display class)"),
+            [] => bail!(
+                "fgds serves no GPU: load the fgds module (with devices=<BDF> for a GPU that is not of display class)"
+            ),
             many => bail!("fgds serves {} GPUs: name one with --gpu", many.len()),
         },
     };
@@ -155,9 +166,14 @@ pub fn resolve(source: &Source, len: u64) -> anyhow::Result<(Gpu, Dmabuf)> {
         (None, Some(n)) => {
             let dev = fgds::vgpu::open(n)?;
             let (fd, _) = fgds::vgpu::alloc(&dev, len)?;
-            Dmabuf { owned: Some(fd), raw: -1 }
+            Dmabuf {
+                owned: Some(fd),
+                raw: -1,
+            }
         }
-        _ => bail!("name the GPU memory: --dmabuf-fd N (a dma-buf inherited from your GPU runtime) or --vgpu N (the rig's test exporter)"),
+        _ => bail!(
+            "name the GPU memory: --dmabuf-fd N (a dma-buf inherited from your GPU runtime) or --vgpu N (the rig's test exporter)"
+        ),
     };
     Ok((gpu, dmabuf))
 }
@@ -175,18 +191,28 @@ fn transfer(dir: Direction, io: &Io) -> anyhow::Result<()> {
             let size = if size == 0 { device_size(&file)? } else { size };
             page_align_down(size.saturating_sub(io.file_offset))
         }
-        (None, Direction::Write) => bail!("give --len for write: how many bytes of GPU memory to write"),
+        (None, Direction::Write) => {
+            bail!("give --len for write: how many bytes of GPU memory to write")
+        }
     };
     if len == 0 {
         bail!("nothing to move: the file is empty past --file-offset");
     }
     let (gpu, dmabuf) = resolve(&io.source, io.dmabuf_offset + len)?;
     let buffer = gpu.register(dmabuf.fd(), io.dmabuf_offset, len)?;
-    let mut t = Transfer::new(TransferConfig { chunk_size: io.chunk, queue_depth: io.depth })?;
+    let mut t = Transfer::new(TransferConfig {
+        chunk_size: io.chunk,
+        queue_depth: io.depth,
+    })?;
     let started = std::time::Instant::now();
-    let n = t.run(dir, &buffer, 0..buffer.len(), &file, io.file_offset).context("transfer failed")?;
+    let n = t
+        .run(dir, &buffer, 0..buffer.len(), &file, io.file_offset)
+        .context("transfer failed")?;
     let secs = started.elapsed().as_secs_f64();
-    println!("{n} bytes in {secs:.3} s ({:.1} MiB/s)", n as f64 / (1 << 20) as f64 / secs);
+    println!(
+        "{n} bytes in {secs:.3} s ({:.1} MiB/s)",
+        n as f64 / (1 << 20) as f64 / secs
+    );
     Ok(())
 }
 
