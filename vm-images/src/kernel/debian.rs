@@ -633,10 +633,11 @@ fn rebuild_host_tools(
         log,
         &format!("kbuild host tools not rebuilt (module builds do not use them): {still:?}\n"),
     )?;
-    for needed in ["scripts/basic/fixdep", "scripts/mod/modpost"] {
-        if still.iter().any(|it| it.starts_with(needed)) {
-            bail!("rebuilt kbuild host tools from {package}, but {needed} still does not run here");
-        }
+    if let Some(needed) = still
+        .iter()
+        .find(|it| kbuild::NEEDED_TOOLS.contains(&it.as_str()))
+    {
+        bail!("rebuilt kbuild host tools from {package}, but {needed} still does not run here");
     }
     Ok(())
 }

@@ -17,6 +17,16 @@ use super::{Kernel, config_value, host, remove_dir_all_if_exists, run_logged};
 /// `objtool.real-x86`) that serve x86-64 modules; the wrapper execs them.
 const NATIVE_VARIANTS: &[&str] = &["lsb-64", "x86"];
 
+/// The host tools every out-of-tree module build runs (objtool where CONFIG_OBJTOOL is set, as
+/// in all Debian x86 kernels), relative to the kbuild root.
+pub(super) const NEEDED_TOOLS: &[&str] = &[
+    "scripts/basic/fixdep",
+    "scripts/mod/modpost",
+    "scripts/mod/modpost.real-lsb-64",
+    "tools/objtool/objtool",
+    "tools/objtool/objtool.real-x86",
+];
+
 /// ELF executables under `kbuild_root` that do not run on this host (a library or symbol
 /// version is missing, as `ldd` tells), as paths relative to `kbuild_root`, sorted.
 pub(super) fn broken_tools(kbuild_root: &Path) -> anyhow::Result<Vec<String>> {
