@@ -1,15 +1,26 @@
-//! `cargo xtask ci`: everything CI checks, in one command.
+//! `cargo xtask ci`: everything CI checks, in one command, ending with one summary line.
 
+use std::path::Path;
 use std::process::{Command, ExitCode};
 
+use fgds_vm_images::kernel;
+
 use crate::report::{self, Outcome, Verdict};
-use crate::vm;
+use crate::{driver, host, selftest, vm};
 
 #[derive(clap::Args)]
 pub struct Options {
-    /// Kernels to boot (repeatable).
+    /// Kernels to run the suite on (repeatable).
     #[arg(long = "kernel", default_values_t = ["debian:6.12".to_owned()])]
     pub kernels: Vec<String>,
+}
+
+/// `cargo xtask check-driver`: checkpatch and sparse.
+#[derive(clap::Args)]
+pub struct DriverOptions {
+    /// The kernel to run sparse against.
+    #[arg(long, default_value = "debian:6.12")]
+    pub kernel: String,
 }
 
 pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
@@ -30,23 +41,19 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
             ],
         ),
         ("ci::cargo-test", &["test", "--workspace", "--quiet"]),
+        (
+            "ci::cargo-doc",
+            &["doc", "--workspace", "--no-deps", "--quiet"],
+        ),
     ];
     for (name, args) in steps {
         eprintln!("ci: cargo {}", args.join(" "));
-        let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
-            .current_dir(&root)
-            .args(*args)
-            .status()?;
-        let verdict = if status.success() {
-            Verdict::Pass
-        } else {
-            Verdict::Fail(format!("cargo {} failed", args.join(" ")))
-        };
-        outcomes.push(Outcome {
-            name: (*name).to_owned(),
-            verdict,
-        });
+        outcomes.push(cargo_step(&root, name, args)?);
     }
+    eprintln!("ci: checkpatch and sparse on driver/");
+    outcomes.extend(check_driver_outcomes(&DriverOptions {
+        kernel: "debian:6.12".to_owned(),
+    }));
     for kernel in &opts.kernels {
         let vm_opts = vm::Options {
             kernel: kernel.clone(),
@@ -55,18 +62,73 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
             vgpu_mode: "plain".to_owned(),
             only: Vec::new(),
         };
-        match vm::run_kernel(&vm_opts) {
-            Ok(mut o) => outcomes.append(&mut o),
-            Err(err) => outcomes.push(Outcome {
-                name: format!("{kernel}::run"),
-                verdict: Verdict::Fail(format!("{err:#}")),
-            }),
-        }
+        outcomes.extend(or_failure(
+            &format!("{kernel}::run"),
+            vm::run_kernel(&vm_opts),
+        ));
     }
+    eprintln!("ci: rig self-test");
+    outcomes.extend(or_failure(
+        "rig-selftest::run",
+        selftest::run("debian:6.12"),
+    ));
     let passed = report::print(outcomes);
     Ok(if passed {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+pub fn check_driver(opts: &DriverOptions) -> anyhow::Result<ExitCode> {
+    let passed = report::print(check_driver_outcomes(opts));
+    Ok(if passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn check_driver_outcomes(opts: &DriverOptions) -> Vec<Outcome> {
+    let res = (|| {
+        let cache = host::cache_dir()?;
+        let mut outcomes = driver::checkpatch(&cache)?;
+        host::ensure_packages(host::VM_PACKAGES)?;
+        let spec: kernel::KernelSpec = opts.kernel.parse()?;
+        let kernel = kernel::prepare(&spec, &cache)?;
+        let out_dir = crate::project_root()
+            .join("target/driver-checks")
+            .join(spec.slug());
+        std::fs::create_dir_all(&out_dir)?;
+        outcomes.push(driver::sparse(&kernel, &out_dir)?);
+        Ok(outcomes)
+    })();
+    or_failure("driver::checks", res)
+}
+
+fn cargo_step(root: &Path, name: &str, args: &[&str]) -> anyhow::Result<Outcome> {
+    let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
+        .current_dir(root)
+        .args(args)
+        .status()?;
+    let verdict = if status.success() {
+        Verdict::Pass
+    } else {
+        Verdict::Fail(format!("cargo {} failed (output above)", args.join(" ")))
+    };
+    Ok(Outcome {
+        name: name.to_owned(),
+        verdict,
+    })
+}
+
+/// The outcomes of a step, or one failed outcome named `name` if the step could not run.
+fn or_failure(name: &str, res: anyhow::Result<Vec<Outcome>>) -> Vec<Outcome> {
+    match res {
+        Ok(outcomes) => outcomes,
+        Err(err) => vec![Outcome {
+            name: name.to_owned(),
+            verdict: Verdict::Fail(format!("{err:#}")),
+        }],
+    }
 }

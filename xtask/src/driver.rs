@@ -1,4 +1,5 @@
-//! Building driver/ (fgds and the rig's vgpu) against a kernel with Kbuild.
+//! driver/ (fgds and the rig's vgpu): building it against a kernel with Kbuild (always with
+//! `W=1`), sparse, and checkpatch.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -6,50 +7,40 @@ use std::process::Command;
 use anyhow::{Context, bail};
 use fgds_vm_images::kernel::Kernel;
 
+use crate::report::{Outcome, Verdict};
+
 /// The rig's modules in load order: the exporter first, then the driver that imports from it.
 pub const RIG_MODULES: &[&str] = &["vgpu", "fgds"];
 
-/// Builds the modules of driver/ for `kernel` in a copy under `out_dir` (Kbuild writes next to
-/// the sources, and one copy per kernel keeps kernels apart). Compiler diagnostics are printed;
-/// the whole log is in `out_dir/build.log`. Returns the `.ko` files in [`RIG_MODULES`] order.
-pub fn build(kernel: &Kernel, out_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    let src = crate::project_root().join("driver");
-    let copy = out_dir.join("driver");
-    if copy.exists() {
-        std::fs::remove_dir_all(&copy)
-            .with_context(|| format!("cannot clean {}", copy.display()))?;
-    }
-    copy_sources(&src, &copy)?;
+/// The kernel source package checkpatch.pl comes from.
+const CHECKPATCH_SOURCE: &str = "linux-source-6.12";
+
+/// A finished build.
+pub struct Build {
+    /// The `.ko` files in [`RIG_MODULES`] order.
+    pub kos: Vec<PathBuf>,
+    /// Compiler diagnostics (warnings), one line each; none means a clean build.
+    pub diagnostics: Vec<String>,
+}
+
+/// Builds the modules of driver/ for `kernel` with `W=1`, in a copy under `out_dir` (Kbuild
+/// writes next to the sources; a copy per kernel keeps kernels apart). Diagnostics are printed
+/// and returned; the whole log is `out_dir/build.log`.
+pub fn build(kernel: &Kernel, out_dir: &Path) -> anyhow::Result<Build> {
+    let copy = fresh_copy(out_dir)?;
     let log_path = out_dir.join("build.log");
-    let output = Command::new("make")
-        .arg("-C")
-        .arg(&kernel.kdir)
-        .arg(format!("M={}", copy.display()))
-        .args(&kernel.make_vars)
-        .arg(format!(
-            "-j{}",
-            std::thread::available_parallelism().map_or(2, |n| n.get())
-        ))
-        .arg("modules")
-        .output()
-        .context("cannot run make: is the make package installed?")?;
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    std::fs::write(&log_path, &text)?;
-    for line in text.lines().filter(|l| is_diagnostic(l)) {
+    let (ok, diagnostics) = make(kernel, &copy, &["W=1"], &log_path)?;
+    for line in &diagnostics {
         eprintln!("  {line}");
     }
-    if !output.status.success() {
+    if !ok {
         bail!(
             "the driver does not build against {} (full log: {})",
             kernel.release,
             log_path.display()
         );
     }
-    RIG_MODULES
+    let kos = RIG_MODULES
         .iter()
         .map(|name| {
             let ko = copy.join(name).join(format!("{name}.ko"));
@@ -62,17 +53,214 @@ pub fn build(kernel: &Kernel, out_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
                 )
             }
         })
-        .collect()
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(Build { kos, diagnostics })
+}
+
+/// The verdict on a build's cleanliness, named `<label>::driver-build`.
+pub fn build_outcome(label: &str, build: &Build) -> Outcome {
+    let verdict = if build.diagnostics.is_empty() {
+        Verdict::Pass
+    } else {
+        Verdict::Fail(format!(
+            "the driver builds with diagnostics (W=1):\n{}",
+            build.diagnostics.join("\n")
+        ))
+    };
+    Outcome {
+        name: format!("{label}::driver-build"),
+        verdict,
+    }
+}
+
+/// Runs sparse over the driver (`C=2`), against `kernel`; the verdict fails on any sparse
+/// report about the driver's own files.
+pub fn sparse(kernel: &Kernel, out_dir: &Path) -> anyhow::Result<Outcome> {
+    crate::host::ensure_packages(&["sparse"])?;
+    let copy = fresh_copy(out_dir)?;
+    let log_path = out_dir.join("sparse.log");
+    let (ok, diagnostics) = make(kernel, &copy, &["C=2", "CHECK=sparse"], &log_path)?;
+    let ours = diagnostics
+        .into_iter()
+        .filter(|l| l.contains(&*copy.to_string_lossy()))
+        .collect::<Vec<_>>();
+    let verdict = match (ok, ours.is_empty()) {
+        (true, true) => Verdict::Pass,
+        (false, _) => Verdict::Fail(format!(
+            "the sparse build failed (log: {})",
+            log_path.display()
+        )),
+        (true, false) => Verdict::Fail(ours.join("\n")),
+    };
+    Ok(Outcome {
+        name: "driver::sparse".to_owned(),
+        verdict,
+    })
+}
+
+/// Runs `checkpatch.pl --strict` (from Debian's linux-source package) on every C file and
+/// header of driver/; one verdict per file.
+pub fn checkpatch(cache: &Path) -> anyhow::Result<Vec<Outcome>> {
+    let script = checkpatch_script(cache)?;
+    let root = crate::project_root();
+    let mut files = Vec::new();
+    collect_sources(&root.join("driver"), &mut files)?;
+    files.sort();
+    let mut outcomes = Vec::new();
+    for file in files {
+        // The compat header exists to compare kernel versions (`LINUX_VERSION_CODE >= KERNEL_VERSION(..)`,
+        // which checkpatch also takes for a constant on the left): those two checks are off there.
+        let ignore = if file.ends_with("fgds_compat.h") {
+            "LINUX_VERSION_CODE,CONSTANT_COMPARISON"
+        } else {
+            ""
+        };
+        let out = Command::new("perl")
+            .arg(&script)
+            .args([
+                "--strict",
+                "--no-tree",
+                "--no-summary",
+                "--terse",
+                "--show-types",
+            ])
+            .args(["--ignore", ignore, "-f"])
+            .arg(&file)
+            .output()
+            .context("cannot run perl for checkpatch.pl")?;
+        let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        let rel = file
+            .strip_prefix(&root)
+            .unwrap_or(&file)
+            .display()
+            .to_string();
+        let verdict = if out.status.success() && text.is_empty() {
+            Verdict::Pass
+        } else {
+            Verdict::Fail(text)
+        };
+        outcomes.push(Outcome {
+            name: format!("driver::checkpatch::{rel}"),
+            verdict,
+        });
+    }
+    Ok(outcomes)
+}
+
+/// checkpatch.pl with its data files, extracted once from the linux-source package.
+fn checkpatch_script(cache: &Path) -> anyhow::Result<PathBuf> {
+    let dir = cache.join("checkpatch");
+    let script = dir.join("checkpatch.pl");
+    if script.exists() {
+        return Ok(script);
+    }
+    crate::host::ensure_packages(&[CHECKPATCH_SOURCE, "perl"])?;
+    let tarball = std::fs::read_dir("/usr/src")?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name().is_some_and(|n| {
+                n.to_string_lossy().starts_with(CHECKPATCH_SOURCE)
+                    && n.to_string_lossy().contains(".tar")
+            })
+        })
+        .with_context(|| format!("no {CHECKPATCH_SOURCE} tarball in /usr/src"))?;
+    std::fs::create_dir_all(&dir)?;
+    let prefix = tarball
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .split(".tar")
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    let members = ["checkpatch.pl", "spelling.txt", "const_structs.checkpatch"]
+        .map(|f| format!("{prefix}/scripts/{f}"));
+    let status = Command::new("tar")
+        .arg("-xf")
+        .arg(&tarball)
+        .arg("-C")
+        .arg(&dir)
+        .arg("--strip-components=2")
+        .args(&members)
+        .status()?;
+    if !status.success() || !script.exists() {
+        bail!("cannot extract checkpatch.pl from {}", tarball.display());
+    }
+    Ok(script)
+}
+
+fn collect_sources(dir: &Path, out: &mut Vec<PathBuf>) -> anyhow::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if path.is_dir() {
+            collect_sources(&path, out)?;
+        } else if (name.ends_with(".c") && !name.ends_with(".mod.c")) || name.ends_with(".h") {
+            out.push(path);
+        }
+    }
+    Ok(())
+}
+
+fn fresh_copy(out_dir: &Path) -> anyhow::Result<PathBuf> {
+    let src = crate::project_root().join("driver");
+    let copy = out_dir.join("driver");
+    if copy.exists() {
+        std::fs::remove_dir_all(&copy)
+            .with_context(|| format!("cannot clean {}", copy.display()))?;
+    }
+    copy_sources(&src, &copy)?;
+    Ok(copy)
+}
+
+/// Runs `make modules` in `copy` against `kernel` with `extra` variables; writes the whole
+/// output to `log` and returns success and the diagnostic lines.
+fn make(
+    kernel: &Kernel,
+    copy: &Path,
+    extra: &[&str],
+    log: &Path,
+) -> anyhow::Result<(bool, Vec<String>)> {
+    let output = Command::new("make")
+        .arg("-C")
+        .arg(&kernel.kdir)
+        .arg(format!("M={}", copy.display()))
+        .args(&kernel.make_vars)
+        .args(extra)
+        .arg(format!(
+            "-j{}",
+            std::thread::available_parallelism().map_or(2, |n| n.get())
+        ))
+        .arg("modules")
+        .output()
+        .context("cannot run make: is the make package installed?")?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    std::fs::write(log, &text)?;
+    let diagnostics = text
+        .lines()
+        .filter(|l| is_diagnostic(l))
+        .map(str::to_owned)
+        .collect();
+    Ok((output.status.success(), diagnostics))
 }
 
 /// Whether a line of Kbuild output is worth showing: anything but make's and Kbuild's own
 /// progress lines (`make[1]: Entering ...`, `  CC [M]  ...`).
 fn is_diagnostic(line: &str) -> bool {
     let quiet_step = line.starts_with("  ")
-        && line
-            .split_whitespace()
-            .next()
-            .is_some_and(|w| w.chars().all(|c| c.is_ascii_uppercase()));
+        && line.split_whitespace().next().is_some_and(|w| {
+            w.chars()
+                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit())
+                && w.chars().any(|c| c.is_ascii_uppercase())
+        });
     !(line.starts_with("make") || quiet_step || line.trim().is_empty())
 }
 
@@ -86,7 +274,7 @@ fn copy_sources(src: &Path, dst: &Path) -> anyhow::Result<()> {
             copy_sources(&path, &dst.join(&name))?;
         } else if name == "Kbuild"
             || name == "Makefile"
-            || name.ends_with(".c")
+            || (name.ends_with(".c") && !name.ends_with(".mod.c"))
             || name.ends_with(".h")
         {
             std::fs::copy(&path, dst.join(&name))
@@ -105,6 +293,7 @@ mod tests {
         assert!(!is_diagnostic("make[1]: Entering directory '/x'"));
         assert!(!is_diagnostic("  CC [M]  /x/fgds/fgds.o"));
         assert!(!is_diagnostic("  MODPOST /x/Module.symvers"));
+        assert!(!is_diagnostic("  CHECK   /x/fgds/gpu.c"));
         assert!(is_diagnostic(
             "/x/fgds/fgds.c:10:5: warning: unused variable 'x' [-Wunused-variable]"
         ));

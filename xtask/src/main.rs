@@ -33,6 +33,8 @@ enum Command {
     TestVm(vm::Options),
     /// What CI runs: fmt, clippy, host tests, driver checks, then test-vm on the CI kernels.
     Ci(ci::Options),
+    /// Run checkpatch.pl --strict and sparse over driver/.
+    CheckDriver(ci::DriverOptions),
     /// Check the rig's own verdicts: programs that pass, fail, skip and panic the kernel.
     RigSelftest(selftest::Options),
 }
@@ -43,6 +45,7 @@ fn main() -> std::process::ExitCode {
         Command::TestVm(opts) => vm::test_vm(&opts),
         Command::Ci(opts) => ci::ci(&opts),
         Command::RigSelftest(opts) => selftest::rig_selftest(&opts),
+        Command::CheckDriver(opts) => ci::check_driver(&opts),
     };
     match res {
         Ok(code) => code,

@@ -78,10 +78,11 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
         display_version(&kernel.package_version)
     );
 
-    let (kos, bin_dir) = phases.run("build", || {
-        let kos = driver::build(&kernel, &run_dir)?;
-        Ok((kos, guest::build_binaries()?))
+    let (build, bin_dir) = phases.run("build", || {
+        let build = driver::build(&kernel, &run_dir)?;
+        Ok((build, guest::build_binaries()?))
     })?;
+    let kos = &build.kos;
 
     let initrd = run_dir.join("initramfs.cpio");
     let nvme_image = run_dir.join("nvme.img");
@@ -149,14 +150,16 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
         eprintln!("  {line}");
     }
     eprintln!("  phases: {}", phases.summary());
-    Ok(report::outcomes(&report::RunArtifacts {
+    let mut outcomes = vec![driver::build_outcome(&label, &build)];
+    outcomes.extend(report::outcomes(&report::RunArtifacts {
         label: &label,
         planned: &planned,
         ktap: &ktap,
         console: &console,
         gpu_backing: &gpu_backing,
         machine_problem,
-    }))
+    }));
+    Ok(outcomes)
 }
 
 fn module_params(name: &str, opts: &Options) -> String {
