@@ -1344,7 +1344,7 @@ static int __init vgpu_init(void)
 	}
 	vgpu_mode = ret;
 
-	vgpu_wq = alloc_workqueue("vgpu", 0, 0);
+	vgpu_wq = alloc_workqueue("vgpu", WQ_UNBOUND, 0);
 	if (!vgpu_wq)
 		return -ENOMEM;
 
