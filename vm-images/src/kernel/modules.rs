@@ -99,7 +99,8 @@ fn load_order(modules: &Modules, names: &[&str]) -> anyhow::Result<Vec<String>> 
         .collect();
     if !unknown.is_empty() {
         bail!(
-            "unknown modules: {} (neither in modules.dep nor in modules.builtin)",
+            "unknown modules: {} (neither in modules.dep nor built in; the kernel's config \
+             probably lacks them)",
             unknown.join(", ")
         );
     }
