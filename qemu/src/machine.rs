@@ -174,6 +174,10 @@ pub struct Machine {
     child: Child,
     pub files: RunFiles,
     started: Instant,
+    /// The QMP session, kept for the machine's life.
+    qmp: Option<crate::qmp::Session>,
+    /// Whether QEMU reported a guest panic (pvpanic).
+    panicked: bool,
 }
 
 /// How the machine ended.
@@ -202,9 +206,12 @@ pub fn start(config: &Config) -> anyhow::Result<Machine> {
         .stderr(log)
         .spawn()
         .context("cannot start qemu-system-x86_64: is the qemu-system-x86 package installed?")?;
+    let qmp = crate::qmp::connect(&files.qmp, Duration::from_secs(10)).ok();
     Ok(Machine {
         child,
         files,
+        qmp,
+        panicked: false,
         started: Instant::now(),
     })
 }
@@ -221,6 +228,7 @@ impl Machine {
     /// Waits for QEMU to exit, at most `limit`; calls `on_tick` about every 200 ms so the caller
     /// can show progress. Past the limit the machine is stopped.
     pub fn wait(&mut self, limit: Duration, mut on_tick: impl FnMut()) -> anyhow::Result<Exit> {
+        let mut last_poll = Instant::now();
         loop {
             if let Some(status) = self.child.try_wait().context("waitpid on QEMU")? {
                 return Ok(Exit::Exited {
@@ -231,14 +239,44 @@ impl Machine {
                 self.stop();
                 return Ok(Exit::TimedOut);
             }
+            if last_poll.elapsed() > Duration::from_secs(1) {
+                self.poll_status();
+                last_poll = Instant::now();
+            }
             on_tick();
             std::thread::sleep(Duration::from_millis(200));
         }
     }
 
-    /// Stops QEMU: `quit` over QMP, then SIGKILL if it is still there a few seconds later.
+    /// Whether QEMU reported a guest panic (pvpanic) while the machine ran.
+    pub fn guest_panicked(&mut self) -> bool {
+        self.poll_status();
+        self.panicked
+    }
+
+    /// Asks QMP for the run state, which also collects events such as `GUEST_PANICKED`.
+    fn poll_status(&mut self) {
+        let Some(qmp) = self.qmp.as_mut() else { return };
+        match qmp.status() {
+            Ok(status) => self.panicked |= status.contains("panicked") || qmp.guest_panicked(),
+            // QEMU is gone or exiting.
+            Err(_) => self.qmp = None,
+        }
+    }
+
+    /// Stops QEMU: an ACPI power-down first (a clean shutdown, if the guest still listens),
+    /// then `quit`, then SIGKILL if it is still there a few seconds later.
     pub fn stop(&mut self) {
-        if let Ok(mut qmp) = crate::qmp::connect(&self.files.qmp, Duration::from_secs(1)) {
+        if let Some(qmp) = self.qmp.as_mut() {
+            if qmp.powerdown().is_ok() {
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while Instant::now() < deadline {
+                    if let Ok(Some(_)) = self.child.try_wait() {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
             let _ = qmp.quit();
         }
         let deadline = Instant::now() + Duration::from_secs(5);

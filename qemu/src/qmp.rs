@@ -57,9 +57,9 @@ impl Session {
         Ok(())
     }
 
-    /// Whether QEMU reported a guest panic (pvpanic) among the events received so far.
+    /// Whether QEMU reported a guest panic (pvpanic) among the events received so far (events
+    /// arrive with command responses).
     pub fn guest_panicked(&mut self) -> bool {
-        let _ = self.qmp.nop();
         self.qmp
             .events()
             .any(|event| matches!(event, qmp::Event::GUEST_PANICKED { .. }))

@@ -128,20 +128,22 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
     let limit = Duration::from_secs(
         BOOT_ALLOWANCE_SECS + suite.iter().map(|e| e.timeout_secs).sum::<u64>(),
     );
-    let (exit, boot) = run_machine(&config, limit)?;
-    phases.record("boot", boot.unwrap_or_default());
-    phases.record("tests", exit.1.saturating_sub(boot.unwrap_or_default()));
+    let run = run_machine(&config, limit)?;
+    let boot = run.boot.unwrap_or(run.took);
+    phases.record("boot", boot);
+    phases.record("tests", run.took.saturating_sub(boot));
 
     let files = machine::run_files(&run_dir);
     let ktap = std::fs::read_to_string(&files.ktap).unwrap_or_default();
     let console = std::fs::read_to_string(&files.console).unwrap_or_default();
-    let machine_problem = match (&exit.0, machine::check_qemu_log(&files)) {
-        (machine::Exit::TimedOut, _) => Some(format!(
+    let machine_problem = match (&run.exit, machine::check_qemu_log(&files), run.panicked) {
+        (machine::Exit::TimedOut, _, _) => Some(format!(
             "the machine ran past its limit of {} s and was stopped",
             limit.as_secs()
         )),
-        (_, Err(err)) => Some(format!("{err:#}")),
-        (machine::Exit::Exited { .. }, Ok(())) => None,
+        (_, Err(err), _) => Some(format!("{err:#}")),
+        (_, Ok(()), true) => Some("QEMU reported a guest panic (pvpanic)".to_owned()),
+        (machine::Exit::Exited { .. }, Ok(()), false) => None,
     };
     let planned = std::iter::once("setup".to_owned())
         .chain(suite.iter().map(|e| e.name.clone()))
@@ -180,10 +182,16 @@ fn display_version(v: &str) -> &str {
 
 /// Boots the machine and waits for it, echoing top-level results as they arrive. Returns how it
 /// ended with its run time, and the boot time (until the setup result arrived).
-fn run_machine(
-    config: &machine::Config,
-    limit: Duration,
-) -> anyhow::Result<((machine::Exit, Duration), Option<Duration>)> {
+/// How a machine's run went.
+struct MachineRun {
+    exit: machine::Exit,
+    took: Duration,
+    /// Until the first result (setup) arrived.
+    boot: Option<Duration>,
+    panicked: bool,
+}
+
+fn run_machine(config: &machine::Config, limit: Duration) -> anyhow::Result<MachineRun> {
     let mut vm = machine::start(config)?;
     let started = Instant::now();
     let files = machine::run_files(&config.run_dir);
@@ -205,5 +213,10 @@ fn run_machine(
     };
     let exit = vm.wait(limit, &mut show_new_results)?;
     show_new_results();
-    Ok(((exit, vm.elapsed()), boot))
+    Ok(MachineRun {
+        exit,
+        took: vm.elapsed(),
+        boot,
+        panicked: vm.guest_panicked(),
+    })
 }
