@@ -171,6 +171,7 @@ impl Apt {
         let sh = Shell::new()?;
         let options = &self.options;
         let spec = format!("{package}={version}");
+        let _lock = self.lock()?;
         let output = cmd!(sh, "apt-cache {options...} show {spec}")
             .quiet()
             .ignore_status()

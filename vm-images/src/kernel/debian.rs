@@ -60,7 +60,14 @@ pub(super) fn prepare(series: &str, cache_dir: &Path) -> anyhow::Result<Kernel> 
     )
     .with_context(|| format!("cannot write {}", log.display()))?;
     let res = prepare_fresh(&apt, cache_dir, series, &pick, &root, &log);
-    res.with_context(|| format!("the log is {}", log.display()))
+    res.with_context(|| {
+        format!(
+            "cannot prepare {} {} (log: {})",
+            pick.release,
+            pick.version,
+            log.display()
+        )
+    })
 }
 
 /// The build chosen for a series.
