@@ -15,10 +15,20 @@ use rustix::io::Errno;
 pub const PAGE: u64 = 4096;
 pub const MIB: u64 = 1 << 20;
 
-/// The PCI address of vgpu0, the rig's GPU.
+/// The rig's vgpu instance: `vgpuN` (normally vgpu0; a rebind can make it another number).
+pub fn vgpu_name() -> anyhow::Result<String> {
+    let mut names = std::fs::read_dir("/sys/class/vgpu")
+        .context("no /sys/class/vgpu: is vgpu loaded?")?
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<Vec<_>>();
+    names.sort();
+    names.into_iter().next().context("no vgpu device bound")
+}
+
+/// The PCI address of the rig's GPU.
 pub fn vgpu_bdf() -> anyhow::Result<String> {
-    let dev = std::fs::canonicalize("/sys/class/vgpu/vgpu0/device")
-        .context("no /sys/class/vgpu/vgpu0: is vgpu loaded?")?;
+    let dev = std::fs::canonicalize(format!("/sys/class/vgpu/{}/device", vgpu_name()?))
+        .context("vgpu device link")?;
     Ok(dev
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -28,13 +38,13 @@ pub fn vgpu_bdf() -> anyhow::Result<String> {
 /// The fgds node of the rig's GPU.
 pub fn node_path() -> anyhow::Result<PathBuf> {
     let bdf = vgpu_bdf()?;
-    let name = format!(
-        "fgds_{}",
-        bdf.replace([':', '.'], "_")
-    );
+    let name = format!("fgds_{}", bdf.replace([':', '.'], "_"));
     let path = PathBuf::from("/dev").join(&name);
     if !path.exists() {
-        bail!("{} missing: is fgds loaded with devices={bdf}?", path.display());
+        bail!(
+            "{} missing: is fgds loaded with devices={bdf}?",
+            path.display()
+        );
     }
     Ok(path)
 }
@@ -55,7 +65,8 @@ pub fn sysfs(attr: &str) -> anyhow::Result<String> {
 
 pub fn sysfs_u64(attr: &str) -> anyhow::Result<u64> {
     let s = sysfs(attr)?;
-    s.parse().with_context(|| format!("{attr}: not a number: {s:?}"))
+    s.parse()
+        .with_context(|| format!("{attr}: not a number: {s:?}"))
 }
 
 pub fn open_node() -> anyhow::Result<File> {
@@ -68,7 +79,12 @@ pub fn open_node() -> anyhow::Result<File> {
 }
 
 pub fn vgpu() -> anyhow::Result<File> {
-    Ok(fgds::vgpu::open(0)?)
+    let name = vgpu_name()?;
+    let n = name
+        .trim_start_matches("vgpu")
+        .parse()
+        .context("vgpu number")?;
+    Ok(fgds::vgpu::open(n)?)
 }
 
 /// A vgpu buffer: its dma-buf and its offset in BAR2.
@@ -133,10 +149,7 @@ impl Map {
                 std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
             ));
         }
-        Ok(Map {
-            ptr: p.cast(),
-            len,
-        })
+        Ok(Map { ptr: p.cast(), len })
     }
 
     pub fn shared(node: &File, idx: u64, len: usize) -> anyhow::Result<Map> {
@@ -216,7 +229,12 @@ pub fn pwrite_raw(file: &File, ptr: *const u8, len: usize, off: u64) -> Result<u
 }
 
 /// Reads GPU memory through vgpu's own CPU mapping of the dma-buf.
-pub fn gpu_read(dmabuf: BorrowedFd<'_>, size: usize, off: usize, len: usize) -> anyhow::Result<Vec<u8>> {
+pub fn gpu_read(
+    dmabuf: BorrowedFd<'_>,
+    size: usize,
+    off: usize,
+    len: usize,
+) -> anyhow::Result<Vec<u8>> {
     let map = fgds::CpuMapping::new(dmabuf, size)?;
     let mut out = vec![0u8; len];
     map.read(off, &mut out);
@@ -224,7 +242,12 @@ pub fn gpu_read(dmabuf: BorrowedFd<'_>, size: usize, off: usize, len: usize) -> 
 }
 
 /// Writes GPU memory through vgpu's own CPU mapping of the dma-buf.
-pub fn gpu_write(dmabuf: BorrowedFd<'_>, size: usize, off: usize, data: &[u8]) -> anyhow::Result<()> {
+pub fn gpu_write(
+    dmabuf: BorrowedFd<'_>,
+    size: usize,
+    off: usize,
+    data: &[u8],
+) -> anyhow::Result<()> {
     let map = fgds::CpuMapping::new(dmabuf, size)?;
     map.write(off, data);
     Ok(())
@@ -238,15 +261,18 @@ pub fn gpu_fill(dmabuf: BorrowedFd<'_>, size: usize, byte: u8) -> anyhow::Result
 pub fn check_nvme_pattern(nvme_off: u64, buf: &[u8]) -> anyhow::Result<()> {
     use fgds_tests::pattern;
     if let Some(at) = pattern::first_mismatch(pattern::NVME_SEED, nvme_off, buf) {
-        bail!("data differs from the NVMe pattern at byte {} of the buffer", at);
+        bail!(
+            "data differs from the NVMe pattern at byte {} of the buffer",
+            at
+        );
     }
     Ok(())
 }
 
 /// Revokes the vgpu buffer at `bar_offset` (as the GPU driver does on eviction).
 pub fn revoke(bar_offset: u64) -> anyhow::Result<()> {
-    std::fs::write("/sys/class/vgpu/vgpu0/revoke", format!("{bar_offset}"))
-        .context("cannot write /sys/class/vgpu/vgpu0/revoke")
+    let path = format!("/sys/class/vgpu/{}/revoke", vgpu_name()?);
+    std::fs::write(&path, format!("{bar_offset}")).with_context(|| format!("cannot write {path}"))
 }
 
 /// Runs `f` in a forked child and returns its wait status (exit code, or 128 + signal).

@@ -14,15 +14,42 @@ use rustix::io::Errno;
 
 fn main() {
     ktap::run(&[
-        Case { name: "reg_bad_arguments", run: reg_bad_arguments },
-        Case { name: "reg_closed_fd_ebadf", run: reg_closed_fd },
-        Case { name: "reg_not_a_dmabuf_einval", run: reg_not_a_dmabuf },
-        Case { name: "reg_udmabuf_einval", run: reg_udmabuf },
-        Case { name: "unreg_bad_arguments", run: unreg_bad_arguments },
-        Case { name: "mmap_bad_arguments", run: mmap_bad_arguments },
-        Case { name: "unknown_ioctl_enotty", run: unknown_ioctl },
-        Case { name: "limit_buffers_per_file_emfile", run: limit_per_file },
-        Case { name: "limit_bytes_per_gpu_enospc", run: limit_per_gpu },
+        Case {
+            name: "reg_bad_arguments",
+            run: reg_bad_arguments,
+        },
+        Case {
+            name: "reg_closed_fd_ebadf",
+            run: reg_closed_fd,
+        },
+        Case {
+            name: "reg_not_a_dmabuf_einval",
+            run: reg_not_a_dmabuf,
+        },
+        Case {
+            name: "reg_udmabuf_einval",
+            run: reg_udmabuf,
+        },
+        Case {
+            name: "unreg_bad_arguments",
+            run: unreg_bad_arguments,
+        },
+        Case {
+            name: "mmap_bad_arguments",
+            run: mmap_bad_arguments,
+        },
+        Case {
+            name: "unknown_ioctl_enotty",
+            run: unknown_ioctl,
+        },
+        Case {
+            name: "limit_buffers_per_file_emfile",
+            run: limit_per_file,
+        },
+        Case {
+            name: "limit_bytes_per_gpu_enospc",
+            run: limit_per_gpu,
+        },
     ])
 }
 
@@ -47,24 +74,84 @@ fn reg_bad_arguments() -> CaseResult {
     let (dmabuf, _) = common::alloc(&vgpu, 2 * MIB)?;
     let fd = dmabuf.as_raw_fd();
     let bar = common::sysfs_u64("bar_size")?;
-    let ok = |a: &mut uapi::RegBuffer| {
+    let ok = move |a: &mut uapi::RegBuffer| {
         a.dmabuf_fd = fd;
         a.size = MIB;
     };
-    let cases: [(&str, Box<dyn Fn(&mut uapi::RegBuffer)>, Errno); 8] = [
-        ("flags != 0", Box::new(move |a| { ok(a); a.flags = 1; }), Errno::INVAL),
-        ("negative fd", Box::new(move |a| { ok(a); a.dmabuf_fd = -1; }), Errno::INVAL),
-        ("unaligned offset", Box::new(move |a| { ok(a); a.dmabuf_offset = 512; }), Errno::INVAL),
-        ("unaligned size", Box::new(move |a| { ok(a); a.size = MIB + 512; }), Errno::INVAL),
-        ("zero size", Box::new(move |a| { ok(a); a.size = 0; }), Errno::INVAL),
-        ("size beyond the BAR", Box::new(move |a| { ok(a); a.size = bar + PAGE; }), Errno::INVAL),
-        ("offset+size overflows", Box::new(move |a| { ok(a); a.dmabuf_offset = u64::MAX & !(PAGE - 1); }), Errno::OVERFLOW),
-        ("beyond the dma-buf", Box::new(move |a| { ok(a); a.dmabuf_offset = 2 * MIB - PAGE; }), Errno::INVAL),
+    type Setter = Box<dyn Fn(&mut uapi::RegBuffer)>;
+    let cases: [(&str, Setter, Errno); 8] = [
+        (
+            "flags != 0",
+            Box::new(move |a| {
+                ok(a);
+                a.flags = 1;
+            }),
+            Errno::INVAL,
+        ),
+        (
+            "negative fd",
+            Box::new(move |a| {
+                ok(a);
+                a.dmabuf_fd = -1;
+            }),
+            Errno::INVAL,
+        ),
+        (
+            "unaligned offset",
+            Box::new(move |a| {
+                ok(a);
+                a.dmabuf_offset = 512;
+            }),
+            Errno::INVAL,
+        ),
+        (
+            "unaligned size",
+            Box::new(move |a| {
+                ok(a);
+                a.size = MIB + 512;
+            }),
+            Errno::INVAL,
+        ),
+        (
+            "zero size",
+            Box::new(move |a| {
+                ok(a);
+                a.size = 0;
+            }),
+            Errno::INVAL,
+        ),
+        (
+            "size beyond the BAR",
+            Box::new(move |a| {
+                ok(a);
+                a.size = bar + PAGE;
+            }),
+            Errno::INVAL,
+        ),
+        (
+            "offset+size overflows",
+            Box::new(move |a| {
+                ok(a);
+                a.dmabuf_offset = !(PAGE - 1);
+            }),
+            Errno::OVERFLOW,
+        ),
+        (
+            "beyond the dma-buf",
+            Box::new(move |a| {
+                ok(a);
+                a.dmabuf_offset = 2 * MIB - PAGE;
+            }),
+            Errno::INVAL,
+        ),
     ];
     for (what, f, want) in cases {
         expect(what, reg_with(&node, |a| f(a)), want)?;
     }
-    ensure!(common::sysfs_u64("buffers")? == 0, "a failed REG left a buffer");
+    ensure!(
+        common::sysfs_u64("buffers")? == 0,
+        "a failed REG left a buffer"
+    );
     // A bad argument never leaks: a good one still works afterwards.
     let idx = common::reg(&node, dmabuf.as_fd(), 0, MIB).context("valid REG after bad ones")?;
     common::unreg(&node, idx)?;
@@ -78,7 +165,14 @@ fn reg_closed_fd() -> CaseResult {
     ensure!(fd >= 0, "eventfd");
     // SAFETY: closing the descriptor we just made.
     unsafe { libc::close(fd) };
-    expect("closed fd", reg_with(&node, |a| { a.dmabuf_fd = fd; a.size = PAGE; }), Errno::BADF)?;
+    expect(
+        "closed fd",
+        reg_with(&node, |a| {
+            a.dmabuf_fd = fd;
+            a.size = PAGE;
+        }),
+        Errno::BADF,
+    )?;
     ktap::pass()
 }
 
@@ -87,27 +181,44 @@ fn reg_not_a_dmabuf() -> CaseResult {
     let file = std::fs::File::open("/proc/self/status")?;
     expect(
         "regular file",
-        reg_with(&node, |a| { a.dmabuf_fd = file.as_raw_fd(); a.size = PAGE; }),
+        reg_with(&node, |a| {
+            a.dmabuf_fd = file.as_raw_fd();
+            a.size = PAGE;
+        }),
         Errno::INVAL,
     )?;
     ktap::pass()
 }
 
 fn reg_udmabuf() -> CaseResult {
-    let Ok(udmabuf) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/udmabuf") else {
+    let Ok(udmabuf) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/udmabuf")
+    else {
         return ktap::skip("no /dev/udmabuf in this kernel (CONFIG_UDMABUF off, as in Debian 6.1)");
     };
     let len = MIB;
     let name = c"fgds-udmabuf";
     // SAFETY: plain system calls on descriptors we own.
     let memfd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_ALLOW_SEALING) };
-    ensure!(memfd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    ensure!(
+        memfd >= 0,
+        "memfd_create: {}",
+        std::io::Error::last_os_error()
+    );
     // SAFETY: as above; the memfd is closed on drop.
     let memfd = unsafe { OwnedFd::from_raw_fd(memfd) };
     // SAFETY: as above.
     unsafe {
-        ensure!(libc::ftruncate(memfd.as_raw_fd(), len as i64) == 0, "ftruncate");
-        ensure!(libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) == 0, "seal");
+        ensure!(
+            libc::ftruncate(memfd.as_raw_fd(), len as i64) == 0,
+            "ftruncate"
+        );
+        ensure!(
+            libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) == 0,
+            "seal"
+        );
     }
     #[repr(C)]
     struct UdmabufCreate {
@@ -116,16 +227,29 @@ fn reg_udmabuf() -> CaseResult {
         offset: u64,
         size: u64,
     }
-    let create = UdmabufCreate { memfd: memfd.as_raw_fd() as u32, flags: 1, offset: 0, size: len };
+    let create = UdmabufCreate {
+        memfd: memfd.as_raw_fd() as u32,
+        flags: 1,
+        offset: 0,
+        size: len,
+    };
     const UDMABUF_CREATE: rustix::ioctl::Opcode =
         rustix::ioctl::opcode::write::<UdmabufCreate>(b'u', 0x42);
     // SAFETY: struct udmabuf_create, read by the kernel; the result is a new fd.
     let fd = unsafe { libc::ioctl(udmabuf.as_raw_fd(), UDMABUF_CREATE as _, &create) };
-    ensure!(fd >= 0, "UDMABUF_CREATE: {}", std::io::Error::last_os_error());
+    ensure!(
+        fd >= 0,
+        "UDMABUF_CREATE: {}",
+        std::io::Error::last_os_error()
+    );
     // SAFETY: the ioctl returned a new dma-buf fd that we now own.
     let dmabuf = unsafe { OwnedFd::from_raw_fd(fd) };
     let node = common::open_node()?;
-    expect("udmabuf", common::reg(&node, dmabuf.as_fd(), 0, len), Errno::INVAL)?;
+    expect(
+        "udmabuf",
+        common::reg(&node, dmabuf.as_fd(), 0, len),
+        Errno::INVAL,
+    )?;
     ktap::pass()
 }
 
@@ -134,15 +258,35 @@ fn unreg_bad_arguments() -> CaseResult {
     let vgpu = common::vgpu()?;
     let (dmabuf, _) = common::alloc(&vgpu, MIB)?;
     let to_u64 = |r: Result<(), Errno>| r.map(|()| 0);
-    expect("unaligned idx", to_u64(common::unreg(&node, 17)), Errno::INVAL)?;
-    expect("unknown idx", to_u64(common::unreg(&node, 999 * PAGE)), Errno::NOENT)?;
-    expect("huge idx", to_u64(common::unreg(&node, u64::MAX & !(PAGE - 1))), Errno::NOENT)?;
+    expect(
+        "unaligned idx",
+        to_u64(common::unreg(&node, 17)),
+        Errno::INVAL,
+    )?;
+    expect(
+        "unknown idx",
+        to_u64(common::unreg(&node, 999 * PAGE)),
+        Errno::NOENT,
+    )?;
+    expect(
+        "huge idx",
+        to_u64(common::unreg(&node, !(PAGE - 1))),
+        Errno::NOENT,
+    )?;
     let idx = common::reg(&node, dmabuf.as_fd(), 0, MIB)?;
     // A token of another open file is unknown here.
     let other = common::open_node()?;
-    expect("other file's idx", to_u64(common::unreg(&other, idx)), Errno::NOENT)?;
+    expect(
+        "other file's idx",
+        to_u64(common::unreg(&other, idx)),
+        Errno::NOENT,
+    )?;
     common::unreg(&node, idx).context("UNREG")?;
-    expect("idx unregistered twice", to_u64(common::unreg(&node, idx)), Errno::NOENT)?;
+    expect(
+        "idx unregistered twice",
+        to_u64(common::unreg(&node, idx)),
+        Errno::NOENT,
+    )?;
     ktap::pass()
 }
 
@@ -152,11 +296,31 @@ fn mmap_bad_arguments() -> CaseResult {
     let (dmabuf, _) = common::alloc(&vgpu, MIB)?;
     let idx = common::reg(&node, dmabuf.as_fd(), 0, MIB)?;
     let m = |idx: u64, len: usize, flags: i32| Map::new(&node, idx, len, flags).map(|_| 0u64);
-    expect("MAP_PRIVATE", m(idx, MIB as usize, libc::MAP_PRIVATE), Errno::INVAL)?;
-    expect("shorter", m(idx, (MIB - PAGE) as usize, libc::MAP_SHARED), Errno::INVAL)?;
-    expect("longer", m(idx, (MIB + PAGE) as usize, libc::MAP_SHARED), Errno::INVAL)?;
-    expect("unknown token", m(idx + 100 * PAGE, MIB as usize, libc::MAP_SHARED), Errno::NOENT)?;
-    expect("token 0", m(0, MIB as usize, libc::MAP_SHARED), Errno::NOENT)?;
+    expect(
+        "MAP_PRIVATE",
+        m(idx, MIB as usize, libc::MAP_PRIVATE),
+        Errno::INVAL,
+    )?;
+    expect(
+        "shorter",
+        m(idx, (MIB - PAGE) as usize, libc::MAP_SHARED),
+        Errno::INVAL,
+    )?;
+    expect(
+        "longer",
+        m(idx, (MIB + PAGE) as usize, libc::MAP_SHARED),
+        Errno::INVAL,
+    )?;
+    expect(
+        "unknown token",
+        m(idx + 100 * PAGE, MIB as usize, libc::MAP_SHARED),
+        Errno::NOENT,
+    )?;
+    expect(
+        "token 0",
+        m(0, MIB as usize, libc::MAP_SHARED),
+        Errno::NOENT,
+    )?;
     let other = common::open_node()?;
     expect(
         "other file's token",
@@ -172,7 +336,10 @@ fn unknown_ioctl() -> CaseResult {
     // SAFETY: an ioctl number fgds does not know, with no argument.
     let r = unsafe { libc::ioctl(node.as_raw_fd(), 0x8803 as _, 0) };
     let e = std::io::Error::last_os_error();
-    ensure!(r == -1 && e.raw_os_error() == Some(libc::ENOTTY), "got {r} {e}");
+    ensure!(
+        r == -1 && e.raw_os_error() == Some(libc::ENOTTY),
+        "got {r} {e}"
+    );
     ktap::pass()
 }
 
@@ -202,7 +369,11 @@ fn limit_per_file() -> CaseResult {
     for _ in 0..3 {
         idx.push(common::reg(&node, dmabuf.as_fd(), 0, PAGE).context("REG under the limit")?);
     }
-    expect("4th REG", common::reg(&node, dmabuf.as_fd(), 0, PAGE), Errno::MFILE)?;
+    expect(
+        "4th REG",
+        common::reg(&node, dmabuf.as_fd(), 0, PAGE),
+        Errno::MFILE,
+    )?;
     // Another open file has its own budget.
     let other = common::open_node()?;
     common::reg(&other, dmabuf.as_fd(), 0, PAGE).context("REG on another file")?;
@@ -218,7 +389,11 @@ fn limit_per_gpu() -> CaseResult {
     let vgpu = common::vgpu()?;
     let (dmabuf, _) = common::alloc(&vgpu, 4 * MIB)?;
     let a = common::reg(&node, dmabuf.as_fd(), 0, 2 * MIB)?;
-    expect("over the GPU limit", common::reg(&node, dmabuf.as_fd(), 0, 2 * MIB), Errno::NOSPC)?;
+    expect(
+        "over the GPU limit",
+        common::reg(&node, dmabuf.as_fd(), 0, 2 * MIB),
+        Errno::NOSPC,
+    )?;
     common::reg(&node, dmabuf.as_fd(), 0, MIB).context("REG up to the limit")?;
     common::unreg(&node, a)?;
     common::reg(&node, dmabuf.as_fd(), 0, 2 * MIB).context("REG after UNREG")?;

@@ -19,15 +19,42 @@ const SCRATCH: u64 = 128 * MIB;
 
 fn main() {
     ktap::run(&[
-        Case { name: "mode_reported", run: mode_reported },
-        Case { name: "nvme_to_gpu_pread_4k_to_64m", run: nvme_to_gpu_pread_sizes },
-        Case { name: "gpu_to_nvme_pwrite", run: gpu_to_nvme_pwrite },
-        Case { name: "preadv_pwritev_two_buffers", run: preadv_pwritev },
-        Case { name: "io_uring_read_write", run: io_uring_read_write },
-        Case { name: "io_uring_registered_buffers", run: io_uring_registered },
-        Case { name: "nonzero_dmabuf_offset", run: nonzero_dmabuf_offset },
-        Case { name: "several_buffers_per_fd", run: several_buffers_per_fd },
-        Case { name: "two_processes_at_once", run: two_processes },
+        Case {
+            name: "mode_reported",
+            run: mode_reported,
+        },
+        Case {
+            name: "nvme_to_gpu_pread_4k_to_64m",
+            run: nvme_to_gpu_pread_sizes,
+        },
+        Case {
+            name: "gpu_to_nvme_pwrite",
+            run: gpu_to_nvme_pwrite,
+        },
+        Case {
+            name: "preadv_pwritev_two_buffers",
+            run: preadv_pwritev,
+        },
+        Case {
+            name: "io_uring_read_write",
+            run: io_uring_read_write,
+        },
+        Case {
+            name: "io_uring_registered_buffers",
+            run: io_uring_registered,
+        },
+        Case {
+            name: "nonzero_dmabuf_offset",
+            run: nonzero_dmabuf_offset,
+        },
+        Case {
+            name: "several_buffers_per_fd",
+            run: several_buffers_per_fd,
+        },
+        Case {
+            name: "two_processes_at_once",
+            run: two_processes,
+        },
     ])
 }
 
@@ -45,8 +72,14 @@ fn mode_reported() -> CaseResult {
         ["generic", "p2pdma", "exporter-p2pdma"].contains(&mode.as_str()),
         "unexpected mode {mode:?}"
     );
-    ensure!(common::sysfs_u64("buffers")? >= 1, "sysfs buffers not counting");
-    ensure!(common::sysfs_u64("bytes")? >= MIB, "sysfs bytes not counting");
+    ensure!(
+        common::sysfs_u64("buffers")? >= 1,
+        "sysfs buffers not counting"
+    );
+    ensure!(
+        common::sysfs_u64("bytes")? >= MIB,
+        "sysfs bytes not counting"
+    );
     common::unreg(&node, idx)?;
     ktap::pass()
 }
@@ -114,14 +147,27 @@ fn preadv_pwritev() -> CaseResult {
     let ma = Map::shared(&node, ia, len as usize)?;
     let mb = Map::shared(&node, ib, len as usize)?;
     let iov = [
-        libc::iovec { iov_base: ma.ptr.cast(), iov_len: len as usize },
-        libc::iovec { iov_base: mb.ptr.cast(), iov_len: len as usize },
+        libc::iovec {
+            iov_base: ma.ptr.cast(),
+            iov_len: len as usize,
+        },
+        libc::iovec {
+            iov_base: mb.ptr.cast(),
+            iov_len: len as usize,
+        },
     ];
     let off = 5 * MIB;
     // SAFETY: both iovecs are live mappings of len bytes.
     let n = unsafe { libc::preadv(nvme.as_raw_fd(), iov.as_ptr(), 2, off as libc::off_t) };
-    ensure!(n == 2 * len as isize, "preadv returned {n}: {}", std::io::Error::last_os_error());
-    common::check_nvme_pattern(off, &common::gpu_read(a.as_fd(), len as usize, 0, len as usize)?)?;
+    ensure!(
+        n == 2 * len as isize,
+        "preadv returned {n}: {}",
+        std::io::Error::last_os_error()
+    );
+    common::check_nvme_pattern(
+        off,
+        &common::gpu_read(a.as_fd(), len as usize, 0, len as usize)?,
+    )?;
     common::check_nvme_pattern(
         off + len,
         &common::gpu_read(b.as_fd(), len as usize, 0, len as usize)?,
@@ -129,7 +175,11 @@ fn preadv_pwritev() -> CaseResult {
     let dst = SCRATCH + 8 * MIB;
     // SAFETY: as above.
     let n = unsafe { libc::pwritev(nvme.as_raw_fd(), iov.as_ptr(), 2, dst as libc::off_t) };
-    ensure!(n == 2 * len as isize, "pwritev returned {n}: {}", std::io::Error::last_os_error());
+    ensure!(
+        n == 2 * len as isize,
+        "pwritev returned {n}: {}",
+        std::io::Error::last_os_error()
+    );
     let mut ram = AlignedBuf::new(2 * len as usize)?;
     nvme.read_exact_at(ram.as_mut_slice(), dst)?;
     common::check_nvme_pattern(off, ram.as_slice()).context("after pwritev")?;
@@ -186,7 +236,10 @@ fn io_uring_read_write() -> CaseResult {
     let mut ring = io_uring::IoUring::new(N as u32)?;
     let off = 9 * MIB;
     uring_rw(&mut ring, false, nvme.as_raw_fd(), map.ptr, CHUNK, N, off)?;
-    common::check_nvme_pattern(off, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    common::check_nvme_pattern(
+        off,
+        &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,
+    )?;
     let dst = SCRATCH + 16 * MIB;
     uring_rw(&mut ring, true, nvme.as_raw_fd(), map.ptr, CHUNK, N, dst)?;
     let mut ram = AlignedBuf::new(len as usize)?;
@@ -204,7 +257,10 @@ fn io_uring_registered() -> CaseResult {
     let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
     let map = Map::shared(&node, idx, len as usize)?;
     let ring = io_uring::IoUring::new(4)?;
-    let iov = [libc::iovec { iov_base: map.ptr.cast(), iov_len: len as usize }];
+    let iov = [libc::iovec {
+        iov_base: map.ptr.cast(),
+        iov_len: len as usize,
+    }];
     // SAFETY: the mapping outlives the registration (unregistered below before unmapping).
     if let Err(err) = unsafe { ring.submitter().register_buffers(&iov) } {
         return ktap::skip(format_args!(
@@ -228,7 +284,10 @@ fn io_uring_registered() -> CaseResult {
     let res = ring.completion().next().map(|c| c.result()).unwrap_or(-1);
     ring.submitter().unregister_buffers()?;
     ensure!(res == len as i32, "READ_FIXED returned {res}");
-    common::check_nvme_pattern(off, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    common::check_nvme_pattern(
+        off,
+        &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,
+    )?;
     ktap::pass()
 }
 
@@ -275,7 +334,10 @@ fn several_buffers_per_fd() -> CaseResult {
         common::pread_raw(&nvme, map.ptr, len as usize, *nvme_off)?;
     }
     for (dmabuf, _, _, nvme_off) in &bufs {
-        common::check_nvme_pattern(*nvme_off, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+        common::check_nvme_pattern(
+            *nvme_off,
+            &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,
+        )?;
     }
     ktap::pass()
 }
@@ -286,7 +348,8 @@ fn two_processes() -> CaseResult {
     if pid < 0 {
         bail!("fork: {}", std::io::Error::last_os_error());
     }
-    let mine = (0..4).try_for_each(|i| read_into_gpu(4 * MIB, if pid == 0 { 20 } else { 30 } * MIB + i * MIB));
+    let mine = (0..4)
+        .try_for_each(|i| read_into_gpu(4 * MIB, if pid == 0 { 20 } else { 30 } * MIB + i * MIB));
     if pid == 0 {
         // SAFETY: leave the child directly.
         unsafe { libc::_exit(i32::from(mine.is_err())) };

@@ -22,8 +22,14 @@ const SCRATCH: u64 = 192 * MIB;
 
 fn main() {
     ktap::run(&[
-        Case { name: "host_sees_nvme_data_in_gpu_memory", run: host_sees_data },
-        Case { name: "host_sees_no_write_after_revoke", run: no_write_after_revoke },
+        Case {
+            name: "host_sees_nvme_data_in_gpu_memory",
+            run: host_sees_data,
+        },
+        Case {
+            name: "host_sees_no_write_after_revoke",
+            run: no_write_after_revoke,
+        },
     ])
 }
 
@@ -63,7 +69,10 @@ fn host_sees_data() -> CaseResult {
 fn write_bar(off: u64, len: u64, seed: u64) -> anyhow::Result<()> {
     let bdf = common::vgpu_bdf()?;
     let path = format!("/sys/bus/pci/devices/{bdf}/resource2");
-    let file = std::fs::OpenOptions::new().read(true).write(true).open(&path)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)?;
     // SAFETY: a new shared mapping of the BAR range, used only through volatile writes.
     let p = unsafe {
         libc::mmap(
@@ -75,7 +84,11 @@ fn write_bar(off: u64, len: u64, seed: u64) -> anyhow::Result<()> {
             off as libc::off_t,
         )
     };
-    ensure!(p != libc::MAP_FAILED, "mmap {path}: {}", std::io::Error::last_os_error());
+    ensure!(
+        p != libc::MAP_FAILED,
+        "mmap {path}: {}",
+        std::io::Error::last_os_error()
+    );
     let mut data = vec![0u8; len as usize];
     pattern::fill(seed, off, &mut data);
     for (i, w) in data.chunks_exact(8).enumerate() {
@@ -113,8 +126,13 @@ fn no_write_after_revoke() -> CaseResult {
     common::revoke(bar_off).context("revoke")?;
     // The revocation has returned: whatever was in flight is done. Mark the range.
     write_bar(bar_off, len, seed)?;
-    let err = reader.join().map_err(|_| anyhow::anyhow!("reader panicked"))?;
-    ensure!(err == Some(Errno::FAULT), "reader ended with {err:?}, want EFAULT");
+    let err = reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("reader panicked"))?;
+    ensure!(
+        err == Some(Errno::FAULT),
+        "reader ended with {err:?}, want EFAULT"
+    );
     let nvme = common::nvme(false)?;
     ensure!(
         common::pread_raw(&nvme, map.ptr, len as usize, 0) == Err(Errno::FAULT),

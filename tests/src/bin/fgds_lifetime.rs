@@ -17,16 +17,46 @@ const SIGBUS_STATUS: i32 = 128 + libc::SIGBUS;
 
 fn main() {
     ktap::run(&[
-        Case { name: "unreg_with_live_mapping", run: unreg_with_live_mapping },
-        Case { name: "close_with_live_mapping", run: close_with_live_mapping },
-        Case { name: "fork_then_io_in_child", run: fork_then_io_in_child },
-        Case { name: "partial_munmap", run: partial_munmap },
-        Case { name: "mremap_and_madvise", run: mremap_and_madvise },
-        Case { name: "sigkill_during_large_read", run: sigkill_during_large_read },
-        Case { name: "revoke_after_io", run: revoke_after_io },
-        Case { name: "revoke_during_io", run: revoke_during_io },
-        Case { name: "exporter_unbind_and_rebind", run: exporter_unbind_and_rebind },
-        Case { name: "module_unload_refused_while_open", run: module_unload_refused },
+        Case {
+            name: "unreg_with_live_mapping",
+            run: unreg_with_live_mapping,
+        },
+        Case {
+            name: "close_with_live_mapping",
+            run: close_with_live_mapping,
+        },
+        Case {
+            name: "fork_then_io_in_child",
+            run: fork_then_io_in_child,
+        },
+        Case {
+            name: "partial_munmap",
+            run: partial_munmap,
+        },
+        Case {
+            name: "mremap_and_madvise",
+            run: mremap_and_madvise,
+        },
+        Case {
+            name: "sigkill_during_large_read",
+            run: sigkill_during_large_read,
+        },
+        Case {
+            name: "revoke_after_io",
+            run: revoke_after_io,
+        },
+        Case {
+            name: "revoke_during_io",
+            run: revoke_during_io,
+        },
+        Case {
+            name: "exporter_unbind_and_rebind",
+            run: exporter_unbind_and_rebind,
+        },
+        Case {
+            name: "module_unload_refused_while_open",
+            run: module_unload_refused,
+        },
     ])
 }
 
@@ -61,9 +91,15 @@ fn unreg_with_live_mapping() -> CaseResult {
     let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
     let map = Map::shared(&node, idx, len as usize)?;
     common::unreg(&node, idx).context("UNREG")?;
-    ensure!(common::sysfs_u64("buffers")? == base + 1, "the mapping did not keep the buffer");
+    ensure!(
+        common::sysfs_u64("buffers")? == base + 1,
+        "the mapping did not keep the buffer"
+    );
     read_check(map.ptr, len, 2 * MIB)?;
-    common::check_nvme_pattern(2 * MIB, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    common::check_nvme_pattern(
+        2 * MIB,
+        &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,
+    )?;
     drop(map);
     wait_buffers(base)?;
     ktap::pass()
@@ -80,8 +116,14 @@ fn close_with_live_mapping() -> CaseResult {
         Map::shared(&node, idx, len as usize)?
     };
     read_check(map.ptr, len, 4 * MIB)?;
-    common::check_nvme_pattern(4 * MIB, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
-    ensure!(common::sysfs_u64("buffers")? == base + 1, "buffer gone while mapped");
+    common::check_nvme_pattern(
+        4 * MIB,
+        &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,
+    )?;
+    ensure!(
+        common::sysfs_u64("buffers")? == base + 1,
+        "buffer gone while mapped"
+    );
     drop(map);
     wait_buffers(base)?;
     ktap::pass()
@@ -99,14 +141,19 @@ fn fork_then_io_in_child() -> CaseResult {
     read_check(map.ptr, MIB, 0)?;
     let ptr = map.ptr as usize;
     let status = common::in_child(|| {
-        let Ok(nvme) = common::nvme(false) else { return 2 };
+        let Ok(nvme) = common::nvme(false) else {
+            return 2;
+        };
         match common::pread_raw(&nvme, ptr as *mut u8, len as usize, 6 * MIB) {
             Ok(n) if n == len as usize => 0,
             _ => 1,
         }
     })?;
     ensure!(status == 0, "child I/O failed (status {status})");
-    common::check_nvme_pattern(6 * MIB, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    common::check_nvme_pattern(
+        6 * MIB,
+        &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,
+    )?;
     ktap::pass()
 }
 
@@ -125,7 +172,8 @@ fn partial_munmap() -> CaseResult {
     let mut map = map?;
     // Unmap the second MiB: the VMA splits in two, each keeps the buffer.
     // SAFETY: a sub-range of our own mapping.
-    ensure!(unsafe { libc::munmap(map.at(MIB as usize).cast(), MIB as usize) } == 0, "munmap");
+    let rc = unsafe { libc::munmap(map.at(MIB as usize).cast(), MIB as usize) };
+    ensure!(rc == 0, "munmap");
     common::unreg(&node, idx)?;
     let nvme = common::nvme(false)?;
     common::pread_raw(&nvme, map.ptr, MIB as usize, 8 * MIB).context("I/O into the first part")?;
@@ -134,7 +182,10 @@ fn partial_munmap() -> CaseResult {
     let got = common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?;
     common::check_nvme_pattern(8 * MIB, &got[..MIB as usize])?;
     common::check_nvme_pattern(10 * MIB, &got[2 * MIB as usize..])?;
-    ensure!(common::sysfs_u64("buffers")? == base + 1, "buffer gone while partly mapped");
+    ensure!(
+        common::sysfs_u64("buffers")? == base + 1,
+        "buffer gone while partly mapped"
+    );
     // SAFETY: the two remaining parts of our own mapping.
     unsafe {
         libc::munmap(map.ptr.cast(), MIB as usize);
@@ -160,16 +211,34 @@ fn mremap_and_madvise() -> CaseResult {
     ensure!(grown == libc::MAP_FAILED, "growing the mapping worked");
     // Moving works.
     // SAFETY: as above; MAYMOVE returns the new address and unmaps the old one.
-    let moved = unsafe { libc::mremap(map.ptr.cast(), len as usize, len as usize, libc::MREMAP_MAYMOVE) };
-    ensure!(moved != libc::MAP_FAILED, "mremap move: {}", std::io::Error::last_os_error());
+    let moved = unsafe {
+        libc::mremap(
+            map.ptr.cast(),
+            len as usize,
+            len as usize,
+            libc::MREMAP_MAYMOVE,
+        )
+    };
+    ensure!(
+        moved != libc::MAP_FAILED,
+        "mremap move: {}",
+        std::io::Error::last_os_error()
+    );
     map.ptr = moved.cast();
     common::pread_raw(&nvme, map.ptr, len as usize, 14 * MIB).context("I/O after mremap")?;
-    common::check_nvme_pattern(14 * MIB, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    common::check_nvme_pattern(
+        14 * MIB,
+        &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,
+    )?;
     // MADV_DONTNEED zaps the PTEs; the pages fault back in.
     // SAFETY: advice on our own mapping.
-    ensure!(unsafe { libc::madvise(map.ptr.cast(), len as usize, libc::MADV_DONTNEED) } == 0, "madvise");
+    let rc = unsafe { libc::madvise(map.ptr.cast(), len as usize, libc::MADV_DONTNEED) };
+    ensure!(rc == 0, "madvise");
     common::pread_raw(&nvme, map.ptr, len as usize, 16 * MIB).context("I/O after MADV_DONTNEED")?;
-    common::check_nvme_pattern(16 * MIB, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    common::check_nvme_pattern(
+        16 * MIB,
+        &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,
+    )?;
     ktap::pass()
 }
 
@@ -199,7 +268,10 @@ fn sigkill_during_large_read() -> CaseResult {
     // SAFETY: killing our own child.
     unsafe { libc::kill(pid, libc::SIGKILL) };
     let status = common::wait(pid)?;
-    ensure!(status == 128 + libc::SIGKILL, "child ended with status {status} before the kill");
+    ensure!(
+        status == 128 + libc::SIGKILL,
+        "child ended with status {status} before the kill"
+    );
     wait_buffers(base)?;
     ktap::pass()
 }
@@ -215,7 +287,10 @@ fn revoke_after_io() -> CaseResult {
     common::pread_raw(&nvme, map.ptr, len as usize, 0).context("I/O before revoke")?;
     common::revoke(bar_off)?;
     let status = common::touch_in_child(map.ptr)?;
-    ensure!(status == SIGBUS_STATUS, "access after revoke: status {status}, want SIGBUS");
+    ensure!(
+        status == SIGBUS_STATUS,
+        "access after revoke: status {status}, want SIGBUS"
+    );
     match common::pread_raw(&nvme, map.ptr, len as usize, 0) {
         Err(Errno::FAULT) => {}
         other => bail!("pread after revoke: {other:?}, want EFAULT"),
@@ -239,7 +314,9 @@ fn revoke_during_io() -> CaseResult {
     let map = Map::shared(&node, idx, len as usize)?;
     let ptr = map.ptr as usize;
     let reader = std::thread::spawn(move || -> (u32, Option<Errno>) {
-        let Ok(nvme) = common::nvme(false) else { return (0, None) };
+        let Ok(nvme) = common::nvme(false) else {
+            return (0, None);
+        };
         let mut ok = 0;
         loop {
             match common::pread_raw(&nvme, ptr as *mut u8, len as usize, 0) {
@@ -253,9 +330,16 @@ fn revoke_during_io() -> CaseResult {
     });
     std::thread::sleep(Duration::from_millis(300));
     common::revoke(bar_off).context("revoke during I/O")?;
-    let (ok, err) = reader.join().map_err(|_| anyhow::anyhow!("reader panicked"))?;
-    ktap::diag(format_args!("{ok} reads completed before the revoke; then {err:?}"));
-    ensure!(err == Some(Errno::FAULT), "I/O after revoke ended with {err:?}, want EFAULT");
+    let (ok, err) = reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("reader panicked"))?;
+    ktap::diag(format_args!(
+        "{ok} reads completed before the revoke; then {err:?}"
+    ));
+    ensure!(
+        err == Some(Errno::FAULT),
+        "I/O after revoke ended with {err:?}, want EFAULT"
+    );
     drop(map);
     common::unreg(&node, idx)?;
     ktap::pass()
@@ -278,20 +362,38 @@ fn exporter_unbind_and_rebind() -> CaseResult {
     };
     let nvme = common::nvme(false)?;
     common::pread_raw(&nvme, map.ptr, len as usize, 0)?;
+    // vgpu's class device goes away with the unbind: find fgds's sysfs now.
+    let sys = common::sysfs_dir()?;
+    let read = |attr: &str| -> anyhow::Result<String> {
+        Ok(std::fs::read_to_string(sys.join(attr))?.trim().to_owned())
+    };
     std::fs::write(drv.join("unbind"), &bdf).context("unbind vgpu")?;
     let result = (|| -> anyhow::Result<()> {
-        ensure!(common::sysfs("mode")? == "none", "provider kept after the exporter unbound");
+        ensure!(
+            read("mode")? == "none",
+            "provider kept after the exporter unbound"
+        );
         let status = common::touch_in_child(map.ptr)?;
-        ensure!(status == SIGBUS_STATUS, "access after unbind: status {status}, want SIGBUS");
+        ensure!(
+            status == SIGBUS_STATUS,
+            "access after unbind: status {status}, want SIGBUS"
+        );
         match common::pread_raw(&nvme, map.ptr, len as usize, 0) {
             Err(Errno::FAULT) => Ok(()),
             other => bail!("pread after unbind: {other:?}, want EFAULT"),
         }
     })();
-    std::fs::write(drv.join("bind"), &bdf).context("rebind vgpu")?;
-    result?;
+    // Release everything that still holds the old vgpu instance before binding again.
     drop(map);
     drop(node);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while read("buffers")? != "0" && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left = read("buffers")?;
+    std::fs::write(drv.join("bind"), &bdf).context("rebind vgpu")?;
+    result?;
+    ensure!(left == "0", "{left} buffers left after close");
     // The next registration sets the provider up again.
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
@@ -299,7 +401,10 @@ fn exporter_unbind_and_rebind() -> CaseResult {
     let idx = common::reg(&node, dmabuf.as_fd(), 0, len).context("REG after rebind")?;
     let map = Map::shared(&node, idx, len as usize)?;
     common::pread_raw(&nvme, map.ptr, len as usize, 18 * MIB).context("I/O after rebind")?;
-    common::check_nvme_pattern(18 * MIB, &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?)?;
+    common::check_nvme_pattern(
+        18 * MIB,
+        &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,
+    )?;
     ktap::pass()
 }
 
@@ -309,7 +414,10 @@ fn module_unload_refused() -> CaseResult {
         Err(Errno::BUSY) | Err(Errno::AGAIN) => {}
         other => bail!("unloading fgds with an open node: {other:?}, want EBUSY"),
     }
-    ensure!(std::path::Path::new("/sys/module/fgds").exists(), "fgds unloaded");
+    ensure!(
+        std::path::Path::new("/sys/module/fgds").exists(),
+        "fgds unloaded"
+    );
     drop(node);
     ktap::pass()
 }
