@@ -6,8 +6,10 @@
 #[path = "../fgds_common.rs"]
 mod common;
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
@@ -38,13 +40,23 @@ fn keep(fd: OwnedFd) {
     std::mem::forget(fd);
 }
 
+/// A vgpu buffer placed above the first 128 MiB of BAR2 (vgpu allocates first fit), so that
+/// programs running later, which reuse the lowest free ranges, do not overwrite what the host
+/// checks.
+fn alloc_high(vgpu: &std::fs::File, len: u64) -> anyhow::Result<(OwnedFd, u64)> {
+    let spacer = common::alloc(vgpu, 128 * MIB).ok();
+    let buf = common::alloc(vgpu, len)?;
+    drop(spacer);
+    Ok(buf)
+}
+
 fn host_sees_data() -> CaseResult {
     let len = 4 * MIB;
     let seed = 0x484f_5354;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let nvme = common::nvme(true)?;
-    let (dmabuf, bar_off) = common::alloc(&vgpu, len)?;
+    let (dmabuf, bar_off) = alloc_high(&vgpu, len)?;
     // Put on the NVMe the pattern the host will expect at this BAR offset, then read it into
     // GPU memory through fgds.
     let mut ram = AlignedBuf::new(len as usize)?;
@@ -64,68 +76,46 @@ fn host_sees_data() -> CaseResult {
     ktap::pass()
 }
 
-/// Writes the pattern of `seed` for BAR offset `off` straight into BAR2 through sysfs
-/// resourceN, bypassing vgpu (whose own mapping of a revoked buffer is gone).
-fn write_bar(off: u64, len: u64, seed: u64) -> anyhow::Result<()> {
-    let bdf = common::vgpu_bdf()?;
-    let path = format!("/sys/bus/pci/devices/{bdf}/resource2");
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&path)?;
-    // SAFETY: a new shared mapping of the BAR range, used only through volatile writes.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len as usize,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            off as libc::off_t,
-        )
-    };
-    ensure!(
-        p != libc::MAP_FAILED,
-        "mmap {path}: {}",
-        std::io::Error::last_os_error()
-    );
-    let mut data = vec![0u8; len as usize];
-    pattern::fill(seed, off, &mut data);
-    for (i, w) in data.chunks_exact(8).enumerate() {
-        // SAFETY: inside the mapping just made.
-        unsafe {
-            p.cast::<u64>()
-                .add(i)
-                .write_volatile(u64::from_ne_bytes(w.try_into().expect("8 bytes")));
-        }
-    }
-    // SAFETY: unmapping what we mapped.
-    unsafe { libc::munmap(p, len as usize) };
-    Ok(())
-}
-
 fn no_write_after_revoke() -> CaseResult {
     let len = 16 * MIB;
     let seed = 0x5245_564b;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
-    let (dmabuf, bar_off) = common::alloc(&vgpu, len)?;
+    let nvme = common::nvme(true)?;
+    let (dmabuf, bar_off) = alloc_high(&vgpu, len)?;
+    // Source A holds exactly what the GPU range holds (the sentinel), source B something else.
+    // Reads started before the revocation return copy A, so they leave the sentinel intact;
+    // after the revocation has returned the reader switches to B, so any write that still
+    // reached the range would show up as B's data on the host.
+    let (src_a, src_b) = (SCRATCH + 8 * MIB, SCRATCH + 32 * MIB);
+    let mut ram = AlignedBuf::new(len as usize)?;
+    pattern::fill(seed, bar_off, ram.as_mut_slice());
+    nvme.write_all_at(ram.as_slice(), src_a)?;
+    common::gpu_write(dmabuf.as_fd(), len as usize, 0, ram.as_slice())?;
+    pattern::fill(seed ^ 0xffff, bar_off, ram.as_mut_slice());
+    nvme.write_all_at(ram.as_slice(), src_b)?;
+
     let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
     let map = Map::shared(&node, idx, len as usize)?;
     let ptr = map.ptr as usize;
-    // I/O keeps running into the buffer while it is revoked.
+    let flipped = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&flipped);
     let reader = std::thread::spawn(move || -> Option<Errno> {
         let nvme = common::nvme(false).ok()?;
         loop {
-            if let Err(e) = common::pread_raw(&nvme, ptr as *mut u8, len as usize, 0) {
+            let src = if flag.load(Ordering::SeqCst) {
+                src_b
+            } else {
+                src_a
+            };
+            if let Err(e) = common::pread_raw(&nvme, ptr as *mut u8, len as usize, src) {
                 return Some(e);
             }
         }
     });
     std::thread::sleep(Duration::from_millis(300));
     common::revoke(bar_off).context("revoke")?;
-    // The revocation has returned: whatever was in flight is done. Mark the range.
-    write_bar(bar_off, len, seed)?;
+    flipped.store(true, Ordering::SeqCst);
     let err = reader
         .join()
         .map_err(|_| anyhow::anyhow!("reader panicked"))?;
@@ -133,12 +123,10 @@ fn no_write_after_revoke() -> CaseResult {
         err == Some(Errno::FAULT),
         "reader ended with {err:?}, want EFAULT"
     );
-    let nvme = common::nvme(false)?;
     ensure!(
-        common::pread_raw(&nvme, map.ptr, len as usize, 0) == Err(Errno::FAULT),
+        common::pread_raw(&nvme, map.ptr, len as usize, src_b) == Err(Errno::FAULT),
         "pread into the revoked buffer did not fail with EFAULT"
     );
-    std::thread::sleep(Duration::from_millis(200));
     ktap::host_check_gpu_pattern(bar_off, len, seed);
     drop(map);
     keep(dmabuf);
