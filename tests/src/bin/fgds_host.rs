@@ -35,6 +35,8 @@ fn main() {
     ])
 }
 
+/// The host checks `pattern::fill(seed, 0, ..)` at the buffer's BAR offset.
+///
 /// Keeps a dma-buf open until the program exits, so vgpu never hands its range out again.
 fn keep(fd: OwnedFd) {
     std::mem::forget(fd);
@@ -60,7 +62,7 @@ fn host_sees_data() -> CaseResult {
     // Put on the NVMe the pattern the host will expect at this BAR offset, then read it into
     // GPU memory through fgds.
     let mut ram = AlignedBuf::new(len as usize)?;
-    pattern::fill(seed, bar_off, ram.as_mut_slice());
+    pattern::fill(seed, 0, ram.as_mut_slice());
     nvme.write_all_at(ram.as_slice(), SCRATCH)?;
     common::gpu_fill(dmabuf.as_fd(), len as usize, 0)?;
     let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
@@ -68,7 +70,7 @@ fn host_sees_data() -> CaseResult {
     common::pread_raw(&nvme, map.ptr, len as usize, SCRATCH).context("pread into GPU")?;
     let got = common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?;
     ensure!(
-        pattern::first_mismatch(seed, bar_off, &got).is_none(),
+        pattern::first_mismatch(seed, 0, &got).is_none(),
         "guest sees wrong data in GPU memory"
     );
     ktap::host_check_gpu_pattern(bar_off, len, seed);
@@ -89,10 +91,10 @@ fn no_write_after_revoke() -> CaseResult {
     // reached the range would show up as B's data on the host.
     let (src_a, src_b) = (SCRATCH + 8 * MIB, SCRATCH + 32 * MIB);
     let mut ram = AlignedBuf::new(len as usize)?;
-    pattern::fill(seed, bar_off, ram.as_mut_slice());
+    pattern::fill(seed, 0, ram.as_mut_slice());
     nvme.write_all_at(ram.as_slice(), src_a)?;
     common::gpu_write(dmabuf.as_fd(), len as usize, 0, ram.as_slice())?;
-    pattern::fill(seed ^ 0xffff, bar_off, ram.as_mut_slice());
+    pattern::fill(seed ^ 0xffff, 0, ram.as_mut_slice());
     nvme.write_all_at(ram.as_slice(), src_b)?;
 
     let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
