@@ -93,6 +93,18 @@ fn parse_block(lines: &[&str], pos: &mut usize, indent: usize) -> Document {
             doc.tests.push(test);
         }
     }
+    if let Some(sub) = pending_sub {
+        // A subtest block whose parent never reported: the guest died inside it.
+        let number = doc.tests.last().map_or(1, |t| t.number + 1);
+        doc.tests.push(Test {
+            number,
+            name: format!("test {number}"),
+            status: Status::Missing,
+            directive: String::new(),
+            diagnostics: std::mem::take(&mut pending_diag),
+            subtests: complete(sub),
+        });
+    }
     doc.diagnostics.append(&mut pending_diag);
     doc
 }

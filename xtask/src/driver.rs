@@ -29,9 +29,19 @@ pub struct Build {
 pub fn build(kernel: &Kernel, out_dir: &Path) -> anyhow::Result<Build> {
     let copy = fresh_copy(out_dir)?;
     let log_path = out_dir.join("build.log");
-    let (ok, diagnostics) = make(kernel, &copy, &["W=1"], &log_path)?;
+    let (ok, lines) = make(kernel, &copy, &["W=1"], &log_path)?;
+    let (diagnostics, foreign) = split_diagnostics(&lines, &copy);
     for line in &diagnostics {
         eprintln!("  {line}");
+    }
+    if !foreign.is_empty() {
+        eprintln!(
+            "  the kernel's own headers or tools warn with this compiler (not the driver; see {}):",
+            log_path.display()
+        );
+        for line in &foreign {
+            eprintln!("    {line}");
+        }
     }
     if !ok {
         bail!(
@@ -252,6 +262,50 @@ fn make(
     Ok((output.status.success(), diagnostics))
 }
 
+/// Splits Kbuild's diagnostic lines into the driver's own (whole compiler messages whose
+/// location is under `copy`) and the distinct first lines of everyone else's (the kernel's
+/// headers warning under an older compiler, kbuild tools).
+fn split_diagnostics(lines: &[String], copy: &Path) -> (Vec<String>, Vec<String>) {
+    let copy = copy.to_string_lossy();
+    let is_located = |l: &str| {
+        [": warning:", ": error:", ": note:"]
+            .iter()
+            .any(|k| l.contains(k))
+    };
+    // Blocks: optional "In file included from" lines, a located line, then its excerpt.
+    let mut blocks: Vec<Vec<&str>> = Vec::new();
+    let mut open_include = false;
+    for line in lines {
+        let starts_include = line.starts_with("In file included from");
+        let continues_include = line.trim_start().starts_with("from ");
+        let new_block = ((starts_include || is_located(line)) && !open_include)
+            || blocks.is_empty()
+            || (!starts_include
+                && !continues_include
+                && !is_located(line)
+                && !line.starts_with(' '));
+        if new_block {
+            blocks.push(Vec::new());
+        }
+        open_include = starts_include || (open_include && continues_include);
+        blocks.last_mut().expect("a block was pushed").push(line);
+    }
+    let mut ours = Vec::new();
+    let mut foreign = Vec::new();
+    for block in blocks {
+        match block.iter().find(|l| is_located(l)) {
+            Some(located) if located.starts_with(&*copy) => {
+                ours.extend(block.iter().map(|l| (*l).to_owned()))
+            }
+            Some(located) => foreign.push((*located).to_owned()),
+            None => foreign.extend(block.iter().map(|l| (*l).to_owned())),
+        }
+    }
+    foreign.sort();
+    foreign.dedup();
+    (ours, foreign)
+}
+
 /// Whether a line of Kbuild output is worth showing: anything but make's and Kbuild's own
 /// progress lines (`make[1]: Entering ...`, `  CC [M]  ...`).
 fn is_diagnostic(line: &str) -> bool {
@@ -298,5 +352,22 @@ mod tests {
             "/x/fgds/fgds.c:10:5: warning: unused variable 'x' [-Wunused-variable]"
         ));
         assert!(is_diagnostic("   10 |     int x;"));
+    }
+
+    #[test]
+    fn header_warnings_are_not_the_drivers() {
+        let lines = [
+            "In file included from /k/include/linux/device.h:16,",
+            "                 from /x/driver/fgds/gpu.c:3:",
+            "/k/include/linux/fs.h:1302:9: warning: 'counted_by' attribute directive ignored [-Wattributes]",
+            " 1302 |         unsigned char f_handle[] __counted_by(handle_bytes);",
+            "/x/driver/fgds/gpu.c:10:5: warning: unused variable 'x' [-Wunused-variable]",
+            "   10 |     int x;",
+            "warning: pahole version differs from the one used to build the kernel",
+        ]
+        .map(str::to_owned);
+        let (ours, foreign) = split_diagnostics(&lines, Path::new("/x/driver"));
+        assert_eq!(ours, vec![lines[4].clone(), lines[5].clone()]);
+        assert_eq!(foreign.len(), 2, "{foreign:?}");
     }
 }

@@ -11,7 +11,13 @@ use fgds_vm_images::kernel::{self, Kernel};
 const GUEST_TARGET: &str = "x86_64-unknown-linux-gnu";
 
 /// Kernel modules the tests need, where the kernel has them as modules (built-ins are skipped).
-const KERNEL_MODULES: &[&str] = &["virtio_console", "nvme", "pvpanic_pci", "ext4"];
+const KERNEL_MODULES: &[&str] = &[
+    "virtio_pci",
+    "virtio_console",
+    "nvme",
+    "pvpanic_pci",
+    "ext4",
+];
 /// Kernel modules loaded when the kernel was configured with them (`CONFIG_...` name first).
 const OPTIONAL_KERNEL_MODULES: &[(&str, &str)] = &[("CONFIG_UDMABUF", "udmabuf")];
 
@@ -22,32 +28,47 @@ pub struct SuiteEntry {
     pub timeout_secs: u64,
 }
 
-/// Builds the init, the test binaries and the `fgds` CLI, static, in release mode; returns their directory.
-pub fn build_binaries() -> anyhow::Result<PathBuf> {
+/// Builds the init, the `fgds` CLI and the named test programs of `tests/`, static, in
+/// release mode, into [`bin_dir`].
+pub fn build_binaries(test_bins: &[&str]) -> anyhow::Result<()> {
     let root = crate::project_root();
-    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
-        .current_dir(&root)
-        .args([
-            "build",
-            "--quiet",
-            "--release",
-            "--target",
-            GUEST_TARGET,
+    let mut args = ["build", "--quiet", "--release", "--target", GUEST_TARGET]
+        .map(str::to_owned)
+        .to_vec();
+    args.extend(
+        [
             "-p",
             "fgds-init",
             "-p",
-            "fgds-tests",
-            "-p",
             "fgds",
-            "--bins",
-        ])
+            "--bin",
+            "fgds",
+            "-p",
+            "fgds-tests",
+        ]
+        .map(str::to_owned),
+    );
+    for bin in test_bins {
+        args.extend(["--bin".to_owned(), (*bin).to_owned()]);
+    }
+    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
+        .current_dir(&root)
+        .args(&args)
         .env("RUSTFLAGS", "-C target-feature=+crt-static")
         .status()
         .context("cannot run cargo")?;
     if !out.success() {
         bail!("building the guest binaries failed (see cargo's output above)");
     }
-    Ok(root.join("target").join(GUEST_TARGET).join("release"))
+    Ok(())
+}
+
+/// Where [`build_binaries`] puts the guest binaries.
+pub fn bin_dir() -> PathBuf {
+    crate::project_root()
+        .join("target")
+        .join(GUEST_TARGET)
+        .join("release")
 }
 
 /// The default suite, from tests/suite.txt (`name timeout-seconds` per line, in run order).

@@ -78,24 +78,26 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
         display_version(&kernel.package_version)
     );
 
-    let (build, bin_dir) = phases.run("build", || {
+    let bin_dir = guest::bin_dir();
+    let mut suite = guest::default_suite(&bin_dir)?;
+    if !opts.only.is_empty() {
+        suite.retain(|e| opts.only.iter().any(|o| e.name.contains(o.as_str())));
+    }
+    let build = phases.run("build", || {
         let build = driver::build(&kernel, &run_dir)?;
-        Ok((build, guest::build_binaries()?))
+        guest::build_binaries(&suite.iter().map(|e| e.name.as_str()).collect::<Vec<_>>())?;
+        Ok(build)
     })?;
-    let kos = &build.kos;
+    for exec in &opts.exec {
+        suite.push(guest::exec_entry(exec, EXEC_TIMEOUT_SECS)?);
+    }
 
     let initrd = run_dir.join("initramfs.cpio");
     let nvme_image = run_dir.join("nvme.img");
     let gpu_backing = run_dir.join("gpu-vram.bin");
-    let suite = phases.run("image", || {
-        let mut suite = guest::default_suite(&bin_dir)?;
-        if !opts.only.is_empty() {
-            suite.retain(|e| opts.only.iter().any(|o| e.name.contains(o.as_str())));
-        }
-        for exec in &opts.exec {
-            suite.push(guest::exec_entry(exec, EXEC_TIMEOUT_SECS)?);
-        }
-        let rig = kos
+    phases.run("image", || {
+        let rig = build
+            .kos
             .iter()
             .zip(driver::RIG_MODULES)
             .map(|(ko, name)| guest::RigModule {
@@ -107,7 +109,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
         std::fs::write(run_dir.join("plan.txt"), plan)?;
         disk::write_nvme_image(&nvme_image)?;
         disk::write_gpu_backing(&gpu_backing, pattern::GPU_MEMORY_BYTES)?;
-        Ok(suite)
+        Ok(())
     })?;
 
     let config = machine::Config {

@@ -51,15 +51,14 @@ fn main() {
 fn run() -> anyhow::Result<()> {
     mount_kernel_filesystems()?;
     let (modules, tests) = read_plan()?;
+    // Modules first: the KTAP port's driver (virtio_console) may be one of them.
+    kmsg("begin setup");
+    let setup = load_modules(&modules);
+    kmsg("end setup");
     let mut ktap = open_ktap_port()?;
     writeln!(ktap, "KTAP version 1")?;
     writeln!(ktap, "# fgds-rig: kernel {}", kernel_release())?;
     writeln!(ktap, "1..{}", tests.len() + 1)?;
-    ktap.flush()?;
-
-    kmsg("begin setup");
-    let setup = load_modules(&modules);
-    kmsg("end setup");
     match &setup {
         Ok(()) => writeln!(ktap, "ok 1 setup")?,
         Err(err) => {
