@@ -39,7 +39,7 @@ int main(void)
 	char link[PATH_MAX], node[PATH_MAX], *bdf, *nvme_path, *p;
 	struct fgds_ioctl_reg_buffer reg = { 0 };
 	struct fgds_ioctl_unreg_buffer unreg;
-	struct vgpu_alloc va = { .size = SIZE }, spacer = { .size = 128u << 20 };
+	struct vgpu_alloc va = { .size = SIZE }, spacer = { .size = 32u << 20 };
 	unsigned char *ram_a, *ram_b, *gpu;
 	int vgpu, fd, nvme;
 	ssize_t n;
@@ -59,8 +59,9 @@ int main(void)
 		nvme_path = "/dev/nvme0n1";
 
 	/*
-	 * vgpu allocates first fit: a spacer keeps this buffer out of the low range that the rig's
-	 * earlier programs ask the host to check after the run.
+	 * vgpu allocates first fit: a spacer puts this buffer at 32 MiB, away from the ranges the
+	 * rig's earlier programs ask the host to check after the run (smoke at 0, fgds_host from
+	 * 128 MiB).
 	 */
 	vgpu = open("/dev/vgpu0", O_RDWR);
 	if (vgpu < 0)
