@@ -190,7 +190,6 @@ static inline int fgds_page_mapcount(struct page *page)
 #endif
 }
 
-
 /* --- end of importer side --- */
 
 #endif /* _FGDS_COMPAT_H */
