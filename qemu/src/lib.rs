@@ -3,6 +3,7 @@
 //! (KTAP results, kernel console splats).
 
 pub mod console;
+pub mod control;
 pub mod ktap;
 pub mod machine;
 pub mod qmp;

@@ -32,6 +32,8 @@ pub struct Config {
     pub nvme_image: PathBuf,
     pub gpu_backing: PathBuf,
     pub gpu_bytes: u64,
+    /// I/O errors the drive returns at fixed sectors.
+    pub nvme_errors: Vec<InjectError>,
     /// Where the console log, the KTAP log, the QEMU log and the QMP socket go.
     pub run_dir: PathBuf,
 }
@@ -42,10 +44,28 @@ pub struct RunFiles {
     pub ktap: PathBuf,
     pub qemu_log: PathBuf,
     pub qmp: PathBuf,
+    /// The control channel's socket (guest requests, see [`crate::control`]).
+    pub ctl: PathBuf,
+    /// A second QMP monitor, for the control channel.
+    pub ctl_qmp: PathBuf,
+    /// What the control channel injected, when.
+    pub faults: PathBuf,
+}
+
+/// An I/O error QEMU's blkdebug injects for the NVMe drive whenever a request touches `sector`
+/// (512-byte units): on reads or on writes, once or every time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InjectError {
+    pub write: bool,
+    pub sector: u64,
+    pub once: bool,
+    pub errno: i32,
 }
 
 /// The QEMU device id of the GPU (for `device_del`).
 pub const GPU_ID: &str = "gpu0";
+/// The PCIe slot (downstream port) the GPU sits in.
+pub const GPU_BUS: &str = "dn1";
 /// The QEMU device id of the NVMe controller.
 pub const NVME_ID: &str = "nvme0";
 
@@ -60,6 +80,9 @@ pub fn run_files(run_dir: &Path) -> RunFiles {
         ktap: run_dir.join("ktap.log"),
         qemu_log: run_dir.join("qemu.log"),
         qmp: run_dir.join("qmp.sock"),
+        ctl: run_dir.join("ctl.sock"),
+        ctl_qmp: run_dir.join("qmp-ctl.sock"),
+        faults: run_dir.join("faults.log"),
     }
 }
 
@@ -124,6 +147,18 @@ pub fn args(config: &Config) -> Vec<String> {
         "-qmp",
         &format!("unix:{},server=on,wait=off", path(&files.qmp)),
     ]);
+    push(&[
+        "-chardev",
+        &format!("socket,id=ctl,path={},server=on,wait=off", path(&files.ctl)),
+    ]);
+    push(&[
+        "-device",
+        "virtserialport,bus=vser.0,chardev=ctl,name=fgds.ctl",
+    ]);
+    push(&[
+        "-qmp",
+        &format!("unix:{},server=on,wait=off", path(&files.ctl_qmp)),
+    ]);
     push(&["-device", "pvpanic-pci"]);
     // The switch: root port -> upstream port -> two downstream ports (hot-pluggable slots).
     push(&[
@@ -139,13 +174,9 @@ pub fn args(config: &Config) -> Vec<String> {
         "-device",
         "xio3130-downstream,id=dn1,bus=up0,chassis=3,slot=0",
     ]);
-    push(&[
-        "-blockdev",
-        &format!(
-            "driver=raw,node-name=nvme0-disk,file.driver=file,file.filename={},file.cache.direct=off",
-            path(&config.nvme_image)
-        ),
-    ]);
+    // blkdebug sits under the raw node: the raw driver emits the read_aio/write_aio events on
+    // its child (research/kernel-mechanisms.md 5.2).
+    push(&["-blockdev", &nvme_blockdev(config)]);
     push(&[
         "-device",
         &format!("nvme,id={NVME_ID},serial=fgds0,drive=nvme0-disk,bus=dn0"),
@@ -160,9 +191,32 @@ pub fn args(config: &Config) -> Vec<String> {
     ]);
     push(&[
         "-device",
-        &format!("ivshmem-plain,id={GPU_ID},memdev=vram0,bus=dn1"),
+        &format!("ivshmem-plain,id={GPU_ID},memdev=vram0,bus={GPU_BUS}"),
     ]);
     args
+}
+
+fn nvme_blockdev(config: &Config) -> String {
+    let rules = config
+        .nvme_errors
+        .iter()
+        .map(|r| {
+            let event = if r.write { "write_aio" } else { "read_aio" };
+            format!(
+                r#"{{"event":"{event}","errno":{},"sector":{},"once":{}}}"#,
+                r.errno, r.sector, r.once
+            )
+        })
+        .collect::<Vec<_>>();
+    format!(
+        r#"{{"driver":"raw","node-name":"nvme0-disk","file":{{"driver":"blkdebug","node-name":"nvme0-blkdebug","image":{{"driver":"file","filename":{},"cache":{{"direct":false}}}},"inject-error":[{}]}}}}"#,
+        json_string(&path(&config.nvme_image)),
+        rules.join(",")
+    )
+}
+
+fn json_string(s: &str) -> String {
+    format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
 }
 
 fn path(p: &Path) -> String {
@@ -178,6 +232,8 @@ pub struct Machine {
     qmp: Option<crate::qmp::Session>,
     /// Whether QEMU reported a guest panic (pvpanic).
     panicked: bool,
+    /// The control channel's server, while the machine runs.
+    control: Option<crate::control::Server>,
 }
 
 /// How the machine ended.
@@ -192,7 +248,13 @@ pub enum Exit {
 /// Starts QEMU for `config` (`qemu-system-x86_64` from PATH).
 pub fn start(config: &Config) -> anyhow::Result<Machine> {
     let files = run_files(&config.run_dir);
-    for stale in [&files.console, &files.ktap, &files.qmp] {
+    for stale in [
+        &files.console,
+        &files.ktap,
+        &files.qmp,
+        &files.ctl,
+        &files.ctl_qmp,
+    ] {
         let _ = std::fs::remove_file(stale);
     }
     let log = File::create(&files.qemu_log)
@@ -207,11 +269,24 @@ pub fn start(config: &Config) -> anyhow::Result<Machine> {
         .spawn()
         .context("cannot start qemu-system-x86_64: is the qemu-system-x86 package installed?")?;
     let qmp = crate::qmp::connect(&files.qmp, Duration::from_secs(10)).ok();
+    let gpu = crate::control::GpuSlot {
+        id: GPU_ID.to_owned(),
+        bus: GPU_BUS.to_owned(),
+        backing: config.gpu_backing.clone(),
+        bytes: config.gpu_bytes,
+    };
+    let control = Some(crate::control::serve(
+        &files.ctl,
+        &files.ctl_qmp,
+        &files.faults,
+        gpu,
+    ));
     Ok(Machine {
         child,
         files,
         qmp,
         panicked: false,
+        control,
         started: Instant::now(),
     })
 }
@@ -267,6 +342,9 @@ impl Machine {
     /// Stops QEMU: an ACPI power-down first (a clean shutdown, if the guest still listens),
     /// then `quit`, then SIGKILL if it is still there a few seconds later.
     pub fn stop(&mut self) {
+        if let Some(control) = self.control.take() {
+            control.stop();
+        }
         if let Some(qmp) = self.qmp.as_mut() {
             if qmp.powerdown().is_ok() {
                 let deadline = Instant::now() + Duration::from_secs(5);
@@ -304,9 +382,16 @@ impl Drop for Machine {
 }
 
 /// Fails unless QEMU's log is free of errors that mean the machine was not what we asked for.
+/// What QEMU prints when the rig's own fault injection works: the drive's blkdebug errors
+/// (see [`InjectError`]).
+const EXPECTED_QEMU_MESSAGES: &[&str] = &["aio failed: Input/output error"];
+
 pub fn check_qemu_log(files: &RunFiles) -> anyhow::Result<()> {
     let log = std::fs::read_to_string(&files.qemu_log).unwrap_or_default();
-    if let Some(line) = log.lines().find(|l| l.contains("qemu-system-x86_64:")) {
+    let unexpected = |l: &&str| {
+        l.contains("qemu-system-x86_64:") && !EXPECTED_QEMU_MESSAGES.iter().any(|m| l.contains(m))
+    };
+    if let Some(line) = log.lines().find(unexpected) {
         bail!(
             "QEMU reported: {line} (full log: {})",
             files.qemu_log.display()

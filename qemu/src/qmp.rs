@@ -57,6 +57,54 @@ impl Session {
         Ok(())
     }
 
+    /// Asks QEMU to unplug device `id` (the guest must cooperate; see
+    /// [`Session::wait_device_deleted`]).
+    pub fn device_del(&mut self, id: &str) -> anyhow::Result<()> {
+        self.qmp
+            .execute(&qmp::device_del { id: id.to_owned() })
+            .with_context(|| format!("device_del {id} failed"))?;
+        Ok(())
+    }
+
+    /// Waits until QEMU reports `DEVICE_DELETED` for `id`, or fails after `timeout`.
+    pub fn wait_device_deleted(&mut self, id: &str, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let deleted = self.qmp.events().any(|event| {
+                matches!(event, qmp::Event::DEVICE_DELETED { data, .. } if data.device.as_deref() == Some(id))
+            });
+            if deleted {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "no DEVICE_DELETED for {id} within {} s: did the guest refuse the unplug?",
+                    timeout.as_secs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            // Any command collects the events QEMU sent meanwhile.
+            self.qmp
+                .nop()
+                .context("QMP connection lost while waiting for DEVICE_DELETED")?;
+        }
+    }
+
+    /// Runs an HMP command and returns its output; output that starts with `Error` fails.
+    pub fn hmp(&mut self, command_line: &str) -> anyhow::Result<String> {
+        let out = self
+            .qmp
+            .execute(&qmp::human_monitor_command {
+                command_line: command_line.to_owned(),
+                cpu_index: None,
+            })
+            .with_context(|| format!("HMP {command_line:?} failed"))?;
+        if out.trim_start().starts_with("Error") {
+            bail!("HMP {command_line:?}: {}", out.trim());
+        }
+        Ok(out)
+    }
+
     /// Whether QEMU reported a guest panic (pvpanic) among the events received so far (events
     /// arrive with command responses).
     pub fn guest_panicked(&mut self) -> bool {

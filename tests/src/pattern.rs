@@ -14,6 +14,22 @@ pub const GPU_MEMORY_BYTES: u64 = 256 << 20;
 /// The seed of the NVMe image's pattern.
 pub const NVME_SEED: u64 = 0x6667_6473;
 
+/// Where the NVMe drive fails I/O on purpose (QEMU blkdebug, set up by the rig for every run):
+/// a request that touches one of these bytes fails. The suite's other tests stay clear of them.
+pub mod fault {
+    /// Reads touching this MiB fail every time with EIO (the kernel reports ENODATA for the
+    /// NVMe media error QEMU returns).
+    pub const READ_ALWAYS: u64 = 240 << 20;
+    /// The first read touching this MiB fails, later ones succeed.
+    pub const READ_ONCE: u64 = 241 << 20;
+    /// Writes touching this MiB fail every time.
+    pub const WRITE_ALWAYS: u64 = 242 << 20;
+    /// The first write touching this MiB fails, later ones succeed.
+    pub const WRITE_ONCE: u64 = 243 << 20;
+    /// The bytes of each failing area that a request must touch (one sector).
+    pub const SECTOR: u64 = 512;
+}
+
 /// The pattern word for the 8 bytes at `offset` (a multiple of 8).
 pub fn word(seed: u64, offset: u64) -> u64 {
     // splitmix64 of the word index mixed with the seed.

@@ -61,6 +61,7 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
             exec: Vec::new(),
             vgpu_mode: "plain".to_owned(),
             only: Vec::new(),
+            no_suite: false,
         };
         outcomes.extend(or_failure(
             &format!("{kernel}::run"),

@@ -44,8 +44,8 @@ pub fn run(kernel: &str) -> anyhow::Result<Vec<Outcome>> {
         accel: vm::AccelArg::Tcg,
         exec: Vec::new(),
         vgpu_mode: "plain".to_owned(),
-        // No suite program has this name: only the --exec programs run.
-        only: vec!["-none-".to_owned()],
+        only: Vec::new(),
+        no_suite: true,
     };
     let endings = vm::run_kernel(&vm::Options {
         exec: programs[..3].to_vec(),

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use fgds_qemu::machine::{self, Accel};
 use fgds_tests::pattern;
 use fgds_vm_images::{disk, kernel};
@@ -36,6 +36,9 @@ pub struct Options {
     /// Run only the suite's programs whose names contain this (repeatable; --exec ones always run).
     #[arg(long = "only", value_name = "NAME")]
     pub only: Vec<String>,
+    /// Run no suite program, only the --exec ones.
+    #[arg(long)]
+    pub no_suite: bool,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy)]
@@ -80,8 +83,22 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
 
     let bin_dir = guest::bin_dir();
     let mut suite = guest::default_suite(&bin_dir)?;
+    if let Some(unknown) = opts
+        .only
+        .iter()
+        .find(|o| !suite.iter().any(|e| e.name.contains(o.as_str())))
+    {
+        let names = suite.iter().map(|e| e.name.as_str()).collect::<Vec<_>>();
+        bail!(
+            "--only {unknown}: no program of tests/suite.txt matches; there are {}",
+            names.join(", ")
+        );
+    }
     if !opts.only.is_empty() {
         suite.retain(|e| opts.only.iter().any(|o| e.name.contains(o.as_str())));
+    }
+    if opts.no_suite {
+        suite.clear();
     }
     let build = phases.run("build", || {
         let build = driver::build(&kernel, &run_dir)?;
@@ -125,6 +142,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
         nvme_image,
         gpu_backing: gpu_backing.clone(),
         gpu_bytes: pattern::GPU_MEMORY_BYTES,
+        nvme_errors: nvme_errors(),
         run_dir: run_dir.clone(),
     };
     let limit = Duration::from_secs(
@@ -164,6 +182,26 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
         machine_problem,
     }));
     Ok(outcomes)
+}
+
+/// The drive's fault areas (`fgds_tests::pattern::fault`) as blkdebug rules, EIO each.
+fn nvme_errors() -> Vec<machine::InjectError> {
+    use pattern::fault;
+    let sector = |byte: u64| byte / 512;
+    [
+        (false, fault::READ_ALWAYS, false),
+        (false, fault::READ_ONCE, true),
+        (true, fault::WRITE_ALWAYS, false),
+        (true, fault::WRITE_ONCE, true),
+    ]
+    .into_iter()
+    .map(|(write, byte, once)| machine::InjectError {
+        write,
+        sector: sector(byte),
+        once,
+        errno: 5,
+    })
+    .collect()
 }
 
 fn module_params(name: &str, opts: &Options) -> String {

@@ -1,0 +1,202 @@
+//! The control channel: guest tests ask the host for machine-level actions (unplug the GPU,
+//! plug it back, any monitor command) at precise points, and wait for them to complete.
+//!
+//! The guest writes one request line on the virtio-serial port `fgds.ctl` and reads one reply
+//! line, `ok [detail]` or `error <reason>`. Requests:
+//! - `device_del <id>`: QMP `device_del`, then wait for `DEVICE_DELETED` of that id;
+//! - `device_add <driver>,id=<id>[,prop=value...]`: HMP `device_add` (the rig's devices are
+//!   plain properties), then the device is there;
+//! - `gpu_add`: plugs the GPU back into its slot, with a fresh memory backend over the same
+//!   host file (QEMU 7.2 cannot re-register the first backend's RAM block), so its memory is
+//!   what it was;
+//! - `hmp <command line>`: any HMP command; the reply carries its output on one line;
+//! - `log <text>`: only recorded.
+//!
+//! Every request, its reply and its timing go to the run's fault log, so a run's artifacts say
+//! what was injected when.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::qmp;
+
+/// How long an unplug may take before the request fails.
+pub const UNPLUG_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The host end of the channel, serving requests until the machine stops.
+pub struct Server {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// What `gpu_add` plugs in: the GPU's QEMU id, its slot and its memory's backing file.
+#[derive(Debug, Clone)]
+pub struct GpuSlot {
+    pub id: String,
+    pub bus: String,
+    pub backing: PathBuf,
+    pub bytes: u64,
+}
+
+/// Serves the channel at `ctl` (QEMU's socket, which QEMU listens on), executing requests
+/// through the QMP socket `qmp_path` and logging them to `log_path`.
+pub fn serve(ctl: &Path, qmp_path: &Path, log_path: &Path, gpu: GpuSlot) -> Server {
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ctl, qmp_path, log_path) = (
+        ctl.to_path_buf(),
+        qmp_path.to_path_buf(),
+        log_path.to_path_buf(),
+    );
+    let flag = Arc::clone(&stop);
+    let thread = std::thread::spawn(move || {
+        let mut log = FaultLog::new(&log_path);
+        if let Err(err) = run(&ctl, &qmp_path, &flag, &mut log, &gpu) {
+            log.line(&format!("control channel ended: {err:#}"));
+        }
+    });
+    Server {
+        stop,
+        thread: Some(thread),
+    }
+}
+
+impl Server {
+    /// Stops serving (the machine is gone).
+    pub fn stop(mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+struct FaultLog {
+    path: PathBuf,
+    started: Instant,
+}
+
+impl FaultLog {
+    fn new(path: &Path) -> FaultLog {
+        let _ = std::fs::write(path, "");
+        FaultLog {
+            path: path.to_path_buf(),
+            started: Instant::now(),
+        }
+    }
+
+    fn line(&mut self, text: &str) {
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let entry = format!(
+            "[{:9.3}s | unix {:.3}] {text}\n",
+            self.started.elapsed().as_secs_f64(),
+            wall.as_secs_f64()
+        );
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(&self.path)
+        {
+            let _ = f.write_all(entry.as_bytes());
+        }
+    }
+}
+
+fn run(
+    ctl: &Path,
+    qmp_path: &Path,
+    stop: &AtomicBool,
+    log: &mut FaultLog,
+    gpu: &GpuSlot,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let stream = loop {
+        match UnixStream::connect(ctl) {
+            Ok(stream) => break stream,
+            Err(_) if Instant::now() < deadline && !stop.load(Ordering::Relaxed) => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(err) => anyhow::bail!("cannot connect to {}: {err}", ctl.display()),
+        }
+    };
+    stream.set_read_timeout(Some(Duration::from_millis(200)))?;
+    let mut session = qmp::connect(qmp_path, Duration::from_secs(10))?;
+    let mut writer = stream.try_clone()?;
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    let mut backends = 0;
+    while !stop.load(Ordering::Relaxed) {
+        match reader.read_line(&mut line) {
+            Ok(0) => break,
+            Ok(_) => {
+                let request = line.trim().to_owned();
+                line.clear();
+                if request.is_empty() {
+                    continue;
+                }
+                log.line(&format!("request: {request}"));
+                let started = Instant::now();
+                let reply = match execute(&mut session, &request, gpu, &mut backends) {
+                    Ok(detail) => format!("ok {detail}").trim_end().to_owned(),
+                    Err(err) => format!("error {}", format!("{err:#}").replace('\n', "; ")),
+                };
+                log.line(&format!(
+                    "reply after {:.3}s: {reply}",
+                    started.elapsed().as_secs_f64()
+                ));
+                writer.write_all(format!("{reply}\n").as_bytes())?;
+            }
+            Err(err)
+                if matches!(
+                    err.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(err) => return Err(err.into()),
+        }
+    }
+    Ok(())
+}
+
+fn execute(
+    session: &mut qmp::Session,
+    request: &str,
+    gpu: &GpuSlot,
+    backends: &mut u32,
+) -> anyhow::Result<String> {
+    let (verb, rest) = request.split_once(' ').unwrap_or((request, ""));
+    match verb {
+        "device_del" => {
+            session.device_del(rest.trim())?;
+            session.wait_device_deleted(rest.trim(), UNPLUG_TIMEOUT)?;
+            Ok("DEVICE_DELETED".to_owned())
+        }
+        "device_add" => Ok(session
+            .hmp(&format!("device_add {}", rest.trim()))?
+            .replace('\n', " ")),
+        "gpu_add" => {
+            *backends += 1;
+            let memdev = format!("vram-replug{backends}");
+            session.hmp(&format!(
+                "object_add memory-backend-file,id={memdev},size={},mem-path={},share=on",
+                gpu.bytes,
+                gpu.backing.display()
+            ))?;
+            session.hmp(&format!(
+                "device_add ivshmem-plain,id={},memdev={memdev},bus={}",
+                gpu.id, gpu.bus
+            ))?;
+            Ok(memdev)
+        }
+        "hmp" => Ok(session.hmp(rest.trim())?.replace('\n', " ")),
+        "log" => Ok(String::new()),
+        other => anyhow::bail!(
+            "unknown request {other:?}: use device_del, device_add, gpu_add, hmp or log"
+        ),
+    }
+}
