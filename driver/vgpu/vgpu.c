@@ -118,6 +118,7 @@ enum vgpu_route {
  * @cdev: /dev/vgpuN
  * @pdev: the PCI device (referenced until @dev is released)
  * @id: N in vgpuN
+ * @id_freed: removal already gave @id back, for a rebound device to reuse
  * @mode: memory mode chosen at probe
  * @bar_phys: CPU physical address of BAR2
  * @bar_bus: PCI bus address of BAR2
@@ -139,6 +140,7 @@ struct vgpu_device {
 	struct cdev cdev;
 	struct pci_dev *pdev;
 	int id;
+	bool id_freed;
 	enum vgpu_mode mode;
 	phys_addr_t bar_phys;
 	pci_bus_addr_t bar_bus;
@@ -1057,7 +1059,8 @@ static void vgpu_dev_release(struct device *dev)
 	WARN_ON_ONCE(!list_empty(&vgpu->zombies));
 	if (vgpu->pool)
 		gen_pool_destroy(vgpu->pool);
-	ida_free(&vgpu_ida, vgpu->id);
+	if (!vgpu->id_freed)
+		ida_free(&vgpu_ida, vgpu->id);
 	pci_dev_put(vgpu->pdev);
 	mutex_destroy(&vgpu->lock);
 	kfree(vgpu);
@@ -1283,6 +1286,12 @@ static void vgpu_remove(struct pci_dev *pdev)
 
 	/* No new opens, and no sysfs revoke running any more. */
 	cdev_device_del(&vgpu->cdev, &vgpu->dev);
+	/*
+	 * Name and minor are free again: a device bound next is vgpuN again
+	 * even while buffers of this instance live on.
+	 */
+	ida_free(&vgpu_ida, vgpu->id);
+	vgpu->id_freed = true;
 
 	mutex_lock(&vgpu->lock);
 	vgpu->removed = true;
