@@ -65,7 +65,7 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
         };
         outcomes.extend(or_failure(
             &format!("{kernel}::run"),
-            vm::run_kernel(&vm_opts),
+            vm::run_kernel(&vm_opts).map(|run| run.outcomes),
         ));
     }
     eprintln!("ci: rig self-test");

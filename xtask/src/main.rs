@@ -8,6 +8,7 @@ mod ci;
 mod driver;
 mod guest;
 mod host;
+mod matrix;
 mod report;
 mod selftest;
 mod vm;
@@ -33,6 +34,8 @@ enum Command {
     TestVm(vm::Options),
     /// What CI runs: fmt, clippy, host tests, driver checks, then test-vm on the CI kernels.
     Ci(ci::Options),
+    /// The suite on several kernels, then a table: passed, failed, skipped, driver mode, time.
+    Matrix(matrix::Options),
     /// Run checkpatch.pl --strict and sparse over driver/.
     CheckDriver(ci::DriverOptions),
     /// Check the rig's own verdicts: programs that pass, fail, skip and panic the kernel.
@@ -46,6 +49,7 @@ fn main() -> std::process::ExitCode {
         Command::Ci(opts) => ci::ci(&opts),
         Command::RigSelftest(opts) => selftest::rig_selftest(&opts),
         Command::CheckDriver(opts) => ci::check_driver(&opts),
+        Command::Matrix(opts) => matrix::matrix(&opts),
     };
     match res {
         Ok(code) => code,

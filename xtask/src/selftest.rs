@@ -50,12 +50,14 @@ pub fn run(kernel: &str) -> anyhow::Result<Vec<Outcome>> {
     let endings = vm::run_kernel(&vm::Options {
         exec: programs[..3].to_vec(),
         ..base.clone()
-    })?;
+    })?
+    .outcomes;
     let started = Instant::now();
     let crash = vm::run_kernel(&vm::Options {
         exec: programs[3..].to_vec(),
         ..base
-    })?;
+    })?
+    .outcomes;
     let crash_took = started.elapsed();
 
     let find = |set: &[Outcome], suffix: &str| {

@@ -48,8 +48,8 @@ pub enum AccelArg {
 }
 
 pub fn test_vm(opts: &Options) -> anyhow::Result<ExitCode> {
-    let outcomes = run_kernel(opts)?;
-    let passed = report::print(outcomes);
+    let run = run_kernel(opts)?;
+    let passed = report::print(run.outcomes);
     Ok(if passed {
         ExitCode::SUCCESS
     } else {
@@ -59,7 +59,21 @@ pub fn test_vm(opts: &Options) -> anyhow::Result<ExitCode> {
 
 /// Runs the suite on one kernel and returns the verdicts. Errors are problems of the host (a
 /// kernel that cannot be fetched, a driver that does not build), not test failures.
-pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
+/// What one kernel's run gave.
+pub struct KernelRun {
+    /// The spec as given, e.g. `debian:6.12`.
+    pub spec: String,
+    pub release: String,
+    pub package_version: String,
+    /// The guest's `# fgds-report:` lines (the driver's mode, ...).
+    pub reports: Vec<String>,
+    /// From the start of the fetch to the verdicts.
+    pub took: Duration,
+    pub outcomes: Vec<Outcome>,
+}
+
+pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
+    let started = Instant::now();
     let spec: kernel::KernelSpec = opts.kernel.parse()?;
     let label = spec.slug();
     let run_dir = crate::project_root().join("target/vm").join(&label);
@@ -168,7 +182,12 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
     let planned = std::iter::once("setup".to_owned())
         .chain(suite.iter().map(|e| e.name.clone()))
         .collect::<Vec<_>>();
-    for line in ktap.lines().filter_map(|l| l.split("fgds-report: ").nth(1)) {
+    let reports = ktap
+        .lines()
+        .filter_map(|l| l.split("fgds-report: ").nth(1))
+        .map(|l| l.trim().to_owned())
+        .collect::<Vec<_>>();
+    for line in &reports {
         eprintln!("  {line}");
     }
     eprintln!("  phases: {}", phases.summary());
@@ -181,7 +200,14 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
         gpu_backing: &gpu_backing,
         machine_problem,
     }));
-    Ok(outcomes)
+    Ok(KernelRun {
+        spec: opts.kernel.clone(),
+        release: kernel.release.clone(),
+        package_version: kernel.package_version.clone(),
+        reports,
+        took: started.elapsed(),
+        outcomes,
+    })
 }
 
 /// The drive's fault areas (`fgds_tests::pattern::fault`) as blkdebug rules, EIO each.
