@@ -55,6 +55,10 @@ fn main() {
             name: "two_processes_at_once",
             run: two_processes,
         },
+        Case {
+            name: "ext4_file_both_directions",
+            run: ext4_file,
+        },
     ])
 }
 
@@ -354,5 +358,56 @@ fn two_processes() -> CaseResult {
     let child = common::wait(pid)?;
     mine.context("parent")?;
     ensure!(child == 0, "child failed (status {child})");
+    ktap::pass()
+}
+
+/// O_DIRECT on a file in an ext4 filesystem (iomap direct I/O), both directions. Needs a block
+/// device holding an empty ext4 filesystem, named by FGDS_EXT4 (the guest has no mkfs).
+fn ext4_file() -> CaseResult {
+    let Some(dev) = std::env::var_os("FGDS_EXT4") else {
+        return ktap::skip("the rig provides no ext4 filesystem (FGDS_EXT4 unset)");
+    };
+    let dir = std::path::Path::new("/run/fgds-ext4");
+    std::fs::create_dir_all(dir)?;
+    rustix::mount::mount(
+        std::path::Path::new(&dev),
+        dir,
+        "ext4",
+        rustix::mount::MountFlags::empty(),
+        None,
+    )
+    .with_context(|| format!("mount {} as ext4", dev.to_string_lossy()))?;
+    let result = ext4_file_in(dir);
+    let _ = rustix::mount::unmount(dir, rustix::mount::UnmountFlags::empty());
+    result
+}
+
+fn ext4_file_in(dir: &std::path::Path) -> CaseResult {
+    let len = 8 * MIB;
+    let seed = 0x4558_5434;
+    let path = dir.join("fgds-data.bin");
+    let mut ram = AlignedBuf::new(len as usize)?;
+    pattern::fill(seed, 0, ram.as_mut_slice());
+    std::fs::write(&path, ram.as_slice())?;
+    let file = fgds_tests::guest::open_direct(&path, true)?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    let n = common::pread_raw(&file, map.ptr, len as usize, 0).context("pread file -> GPU")?;
+    ensure!(n == len as usize, "short pread {n}");
+    let got = common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?;
+    ensure!(
+        pattern::first_mismatch(seed, 0, &got).is_none(),
+        "GPU memory differs from the file"
+    );
+    let n = common::pwrite_raw(&file, map.ptr, len as usize, len).context("pwrite GPU -> file")?;
+    ensure!(n == len as usize, "short pwrite {n}");
+    file.read_exact_at(ram.as_mut_slice(), len)?;
+    ensure!(
+        pattern::first_mismatch(seed, 0, ram.as_slice()).is_none(),
+        "file data written from the GPU differs"
+    );
     ktap::pass()
 }
