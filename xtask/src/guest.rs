@@ -35,19 +35,20 @@ pub fn build_binaries(test_bins: &[&str]) -> anyhow::Result<()> {
     let mut args = ["build", "--quiet", "--release", "--target", GUEST_TARGET]
         .map(str::to_owned)
         .to_vec();
-    args.extend(
-        [
-            "-p",
-            "fgds-init",
-            "-p",
-            "fgds",
-            "--bin",
-            "fgds",
-            "-p",
-            "fgds-tests",
-        ]
-        .map(str::to_owned),
-    );
+    // With --bin, cargo builds only the named binaries of the selected packages.
+    let own = [
+        "-p",
+        "fgds-init",
+        "-p",
+        "fgds",
+        "-p",
+        "fgds-tests",
+        "--bin",
+        "fgds-init",
+        "--bin",
+        "fgds",
+    ];
+    args.extend(own.map(str::to_owned));
     for bin in test_bins {
         args.extend(["--bin".to_owned(), (*bin).to_owned()]);
     }

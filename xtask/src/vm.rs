@@ -181,6 +181,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     };
     let planned = std::iter::once("setup".to_owned())
         .chain(suite.iter().map(|e| e.name.clone()))
+        .chain(std::iter::once("kmemleak".to_owned()))
         .collect::<Vec<_>>();
     let reports = ktap
         .lines()

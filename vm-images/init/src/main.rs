@@ -58,7 +58,7 @@ fn run() -> anyhow::Result<()> {
     let mut ktap = open_ktap_port()?;
     writeln!(ktap, "KTAP version 1")?;
     writeln!(ktap, "# fgds-rig: kernel {}", kernel_release())?;
-    writeln!(ktap, "1..{}", tests.len() + 1)?;
+    writeln!(ktap, "1..{}", tests.len() + 2)?;
     match &setup {
         Ok(()) => writeln!(ktap, "ok 1 setup")?,
         Err(err) => {
@@ -72,6 +72,20 @@ fn run() -> anyhow::Result<()> {
 
     for (i, test) in tests.iter().enumerate() {
         run_test(&mut ktap, i + 2, test)?;
+    }
+    kmsg("begin kmemleak");
+    let leaks = kmemleak_scan();
+    kmsg("end kmemleak");
+    let number = tests.len() + 2;
+    match leaks {
+        Err(reason) => writeln!(ktap, "ok {number} kmemleak # SKIP {reason}")?,
+        Ok(report) if report.trim().is_empty() => writeln!(ktap, "ok {number} kmemleak")?,
+        Ok(report) => {
+            for line in report.lines() {
+                writeln!(ktap, "# kmemleak: {line}")?;
+            }
+            writeln!(ktap, "not ok {number} kmemleak")?;
+        }
     }
     writeln!(ktap, "# fgds-rig: done")?;
     ktap.flush()?;
@@ -312,6 +326,25 @@ fn forward_lines(stream: impl std::io::Read, is_stdout: bool, tx: mpsc::Sender<(
         }
     }
     let _ = tx.send((is_stdout, "\0eof".to_owned()));
+}
+
+/// Asks kmemleak for a scan after the tests and returns what it reports (empty: no leak).
+/// Objects younger than kmemleak's minimum age (5 s) are not reported, hence the wait.
+fn kmemleak_scan() -> Result<String, String> {
+    let path = Path::new("/sys/kernel/debug/kmemleak");
+    if !path.exists() {
+        return Err("the kernel has no kmemleak (CONFIG_DEBUG_KMEMLEAK)".to_owned());
+    }
+    std::thread::sleep(Duration::from_secs(6));
+    for _ in 0..2 {
+        fs::write(path, "scan").map_err(|err| format!("cannot start a kmemleak scan: {err}"))?;
+    }
+    let report =
+        fs::read_to_string(path).map_err(|err| format!("cannot read {}: {err}", path.display()))?;
+    for line in report.lines() {
+        kmsg(&format!("kmemleak: {line}"));
+    }
+    Ok(report)
 }
 
 /// Writes a marker into the kernel log, so the host can tell which test a splat belongs to.
