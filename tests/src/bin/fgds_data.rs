@@ -265,7 +265,7 @@ fn io_uring_registered() -> CaseResult {
     // SAFETY: the mapping outlives the registration (unregistered below before unmapping).
     if let Err(err) = unsafe { ring.submitter().register_buffers(&iov) } {
         return ktap::skip(format_args!(
-            "io_uring refuses to register fgds memory as a fixed buffer ({err}): the kernel does not pin {} pages long-term",
+            "this kernel's io_uring refuses fgds memory ({} pages) as a fixed buffer ({err}): P2PDMA pages are never pinned long-term (EREMOTEIO), 6.1 refuses file-backed buffers (EOPNOTSUPP)",
             common::sysfs("mode")?
         ));
     }
