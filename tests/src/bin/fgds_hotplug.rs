@@ -1,0 +1,155 @@
+//! fgds and GPU hot-unplug: the host removes the GPU (QMP device_del) while a buffer is mapped
+//! and while I/O runs into it; the mapping then raises SIGBUS, I/O fails with EFAULT, the open
+//! node answers ENODEV, the node disappears; after the GPU is plugged back a new node works.
+
+#[path = "../fgds_common.rs"]
+mod common;
+
+use std::os::fd::AsFd;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use common::{MIB, Map};
+use fgds_tests::ctl;
+use fgds_tests::ktap::{self, Case, CaseResult};
+use rustix::io::Errno;
+
+fn main() {
+    ktap::run(&[
+        Case {
+            name: "unplug_with_live_mapping",
+            run: unplug_with_live_mapping,
+        },
+        Case {
+            name: "unplug_during_io",
+            run: unplug_during_io,
+        },
+    ])
+}
+
+fn wait_for(what: &str, cond: impl Fn() -> bool) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !cond() {
+        if Instant::now() > deadline {
+            bail!("timed out waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+/// Unplugs the GPU and waits for its fgds node to go.
+fn unplug(node: &Path) -> anyhow::Result<()> {
+    ctl::device_del(ctl::GPU_ID)?;
+    wait_for("the fgds node to go", || !node.exists())
+}
+
+/// Plugs the GPU back and waits for vgpu and a new fgds node, then checks that it works.
+fn replug_and_check() -> anyhow::Result<()> {
+    ctl::gpu_add()?;
+    wait_for("vgpu and the fgds node to come back", || {
+        common::node_path().is_ok()
+    })?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let len = 2 * MIB;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len).context("REG after replug")?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    let nvme = common::nvme(false)?;
+    common::pread_raw(&nvme, map.ptr, len as usize, 24 * MIB).context("I/O after replug")?;
+    common::check_nvme_pattern(
+        24 * MIB,
+        &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,
+    )
+}
+
+fn unplug_with_live_mapping() -> CaseResult {
+    let path = common::node_path()?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let len = 2 * MIB;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    let nvme = common::nvme(false)?;
+    common::pread_raw(&nvme, map.ptr, len as usize, 0).context("I/O before unplug")?;
+    drop(vgpu);
+    unplug(&path)?;
+
+    let checks = (|| -> anyhow::Result<()> {
+        let status = common::touch_in_child(map.ptr)?;
+        ensure!(
+            status == 128 + libc::SIGBUS,
+            "access after unplug: status {status}, want SIGBUS"
+        );
+        match common::pread_raw(&nvme, map.ptr, len as usize, 0) {
+            Err(Errno::FAULT) => {}
+            other => bail!("pread after unplug: {other:?}, want EFAULT"),
+        }
+        match Map::new(&node, idx, len as usize, libc::MAP_SHARED) {
+            Err(Errno::NODEV) => {}
+            other => bail!("mmap after unplug: {:?}, want ENODEV", other.map(|_| ())),
+        }
+        match common::reg(&node, dmabuf.as_fd(), 0, len) {
+            Err(Errno::NODEV) => {}
+            other => bail!("REG after unplug: {other:?}, want ENODEV"),
+        }
+        common::unreg(&node, idx).context("UNREG after unplug")?;
+        Ok(())
+    })();
+    drop(map);
+    drop(node);
+    drop(dmabuf);
+    let replugged = replug_and_check();
+    checks?;
+    replugged?;
+    ktap::pass()
+}
+
+fn unplug_during_io() -> CaseResult {
+    let path = common::node_path()?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let len = 16 * MIB;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    drop(vgpu);
+    let ptr = map.ptr as usize;
+    let reader = std::thread::spawn(move || -> (u32, Option<Errno>) {
+        let Ok(nvme) = common::nvme(false) else {
+            return (0, None);
+        };
+        let mut ok = 0;
+        loop {
+            match common::pread_raw(&nvme, ptr as *mut u8, len as usize, 0) {
+                Ok(_) => ok += 1,
+                Err(e) => return (ok, Some(e)),
+            }
+            if ok > 100_000 {
+                return (ok, None);
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let unplugged = unplug(&path);
+    let (ok, err) = reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("reader panicked"))?;
+    ktap::diag(format_args!(
+        "{ok} reads completed before the unplug; then {err:?}"
+    ));
+    drop(map);
+    drop(node);
+    drop(dmabuf);
+    unplugged?;
+    let replugged = replug_and_check();
+    ensure!(
+        err == Some(Errno::FAULT),
+        "I/O after unplug ended with {err:?}, want EFAULT"
+    );
+    replugged?;
+    ktap::pass()
+}
