@@ -6,9 +6,10 @@
  * device of display class (VGA or 3D), or named in the devices= parameter,
  * with a prefetchable memory BAR of at least 64 MiB. fgds never binds the
  * GPU: its own driver (the dma-buf exporter) keeps it. Nodes follow the PCI
- * bus through a bus notifier: a GPU added gets a node, a GPU removed loses it
- * (after every registration on it has been revoked), and the page provider
- * is dropped when the GPU's driver unbinds.
+ * bus through a bus notifier: a GPU added gets a node (when it is announced,
+ * or when its driver binds if its BARs were not assigned yet), a GPU removed
+ * loses it (after every registration on it has been revoked), and the page
+ * provider is dropped when the GPU's driver unbinds.
  */
 
 #include <linux/fs.h>
@@ -124,7 +125,12 @@ static void fgds_gpu_release(struct device *dev)
 	kfree(gpu);
 }
 
-static void fgds_gpu_add(struct pci_dev *pdev)
+/*
+ * Creates the GPU's node if it has none. A hot-added device is announced
+ * (BUS_NOTIFY_ADD_DEVICE) before its BARs are assigned, so this runs again when
+ * a driver binds; @quiet says the BARs may still be unassigned.
+ */
+static void fgds_gpu_add(struct pci_dev *pdev, bool quiet)
 {
 	bool named = fgds_named(pdev);
 	struct fgds_gpu *gpu;
@@ -134,7 +140,7 @@ static void fgds_gpu_add(struct pci_dev *pdev)
 		return;
 	bar = fgds_pick_bar(pdev);
 	if (bar < 0) {
-		if (named)
+		if (named && !quiet)
 			pci_warn(pdev, "fgds: named in devices= but has no prefetchable memory BAR of 64 MiB or more\n");
 		return;
 	}
@@ -231,7 +237,10 @@ static int fgds_pci_notify(struct notifier_block *nb, unsigned long action,
 
 	switch (action) {
 	case BUS_NOTIFY_ADD_DEVICE:
-		fgds_gpu_add(pdev);
+		fgds_gpu_add(pdev, true);
+		break;
+	case BUS_NOTIFY_BOUND_DRIVER:
+		fgds_gpu_add(pdev, false);
 		break;
 	case BUS_NOTIFY_UNBIND_DRIVER:
 		/* Before the driver's remove() and its devres release. */
@@ -269,7 +278,7 @@ static int __init fgds_init(void)
 	if (ret)
 		goto err_class;
 	for_each_pci_dev(pdev)
-		fgds_gpu_add(pdev);
+		fgds_gpu_add(pdev, false);
 	return 0;
 
 err_class:
