@@ -30,6 +30,10 @@ pub struct Config {
     pub cpus: u32,
     pub memory_mib: u32,
     pub nvme_image: PathBuf,
+    /// An ext4 filesystem image: the raw drive's second namespace.
+    pub ext4_image: PathBuf,
+    /// The second drive's image.
+    pub nvme2_image: PathBuf,
     pub gpu_backing: PathBuf,
     pub gpu_bytes: u64,
     /// I/O errors the drive returns at fixed sectors.
@@ -68,6 +72,8 @@ pub const GPU_ID: &str = "gpu0";
 pub const GPU_BUS: &str = "dn1";
 /// The QEMU device id of the NVMe controller.
 pub const NVME_ID: &str = "nvme0";
+/// The QEMU device id of the second NVMe controller (its own slot, for hot-unplug tests).
+pub const NVME2_ID: &str = "nvme1";
 
 /// The kernel parameters the rig always passes: console on the first serial port, a panic or
 /// oops ends the machine at once (`-no-reboot` turns the reboot into QEMU's exit).
@@ -160,26 +166,46 @@ pub fn args(config: &Config) -> Vec<String> {
         &format!("unix:{},server=on,wait=off", path(&files.ctl_qmp)),
     ]);
     push(&["-device", "pvpanic-pci"]);
-    // The switch: root port -> upstream port -> two downstream ports (hot-pluggable slots).
+    // The switch: root port -> upstream port -> three downstream ports (hot-pluggable slots):
+    // the NVMe drive, the GPU, the second NVMe drive.
     push(&[
         "-device",
         "pcie-root-port,id=rp0,bus=pcie.0,chassis=1,slot=1",
     ]);
     push(&["-device", "x3130-upstream,id=up0,bus=rp0"]);
-    push(&[
-        "-device",
-        "xio3130-downstream,id=dn0,bus=up0,chassis=2,slot=0",
-    ]);
-    push(&[
-        "-device",
-        "xio3130-downstream,id=dn1,bus=up0,chassis=3,slot=0",
-    ]);
+    for (i, port) in ["dn0", GPU_BUS, "dn2"].iter().enumerate() {
+        push(&[
+            "-device",
+            &format!(
+                "xio3130-downstream,id={port},bus=up0,chassis={},slot=0",
+                i + 2
+            ),
+        ]);
+    }
     // blkdebug sits under the raw node: the raw driver emits the read_aio/write_aio events on
     // its child (research/kernel-mechanisms.md 5.2).
     push(&["-blockdev", &nvme_blockdev(config)]);
+    push(&["-blockdev", &raw_blockdev("nvme0-ext4", &config.ext4_image)]);
+    push(&[
+        "-blockdev",
+        &raw_blockdev("nvme1-disk", &config.nvme2_image),
+    ]);
+    // Namespace 1: the raw drive; namespace 2: ext4.
     push(&[
         "-device",
-        &format!("nvme,id={NVME_ID},serial=fgds0,drive=nvme0-disk,bus=dn0"),
+        &format!("nvme,id={NVME_ID},serial=fgds0,bus=dn0"),
+    ]);
+    push(&[
+        "-device",
+        &format!("nvme-ns,drive=nvme0-disk,nsid=1,bus={NVME_ID}"),
+    ]);
+    push(&[
+        "-device",
+        &format!("nvme-ns,drive=nvme0-ext4,nsid=2,bus={NVME_ID}"),
+    ]);
+    push(&[
+        "-device",
+        &format!("nvme,id={NVME2_ID},serial=fgds1,drive=nvme1-disk,bus=dn2"),
     ]);
     push(&[
         "-object",
@@ -194,6 +220,13 @@ pub fn args(config: &Config) -> Vec<String> {
         &format!("ivshmem-plain,id={GPU_ID},memdev=vram0,bus={GPU_BUS}"),
     ]);
     args
+}
+
+fn raw_blockdev(node: &str, image: &Path) -> String {
+    format!(
+        "driver=raw,node-name={node},file.driver=file,file.filename={},file.cache.direct=off",
+        path(image)
+    )
 }
 
 fn nvme_blockdev(config: &Config) -> String {

@@ -4,7 +4,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use fgds_tests::pattern;
 
 /// Writes a fresh NVMe image: [`pattern::NVME_PATTERN_BYTES`] of the pattern, then zeroes up to
@@ -25,9 +25,37 @@ pub fn write_nvme_image(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Creates a fresh, zeroed GPU backing file of `bytes` (sparse).
+/// Creates a fresh, zeroed file of `bytes` (sparse): the GPU's memory, or a blank drive.
 pub fn write_gpu_backing(path: &Path, bytes: u64) -> anyhow::Result<()> {
     let file = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
     file.set_len(bytes)?;
+    Ok(())
+}
+
+/// Bytes of the ext4 namespace and of the second drive.
+pub const SMALL_DRIVE_BYTES: u64 = 128 << 20;
+
+/// Writes a fresh, empty ext4 filesystem image of `bytes` (with `mkfs.ext4` from e2fsprogs).
+pub fn write_ext4_image(path: &Path, bytes: u64) -> anyhow::Result<()> {
+    write_gpu_backing(path, bytes)?;
+    let out = std::process::Command::new("mkfs.ext4")
+        .args([
+            "-F",
+            "-q",
+            "-L",
+            "fgds",
+            "-E",
+            "lazy_itable_init=0,lazy_journal_init=0",
+        ])
+        .arg(path)
+        .output()
+        .context("cannot run mkfs.ext4: install e2fsprogs")?;
+    if !out.status.success() {
+        bail!(
+            "mkfs.ext4 {} failed: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
     Ok(())
 }

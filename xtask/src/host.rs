@@ -7,7 +7,15 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 
 /// Host packages every VM run needs (Debian names).
-pub const VM_PACKAGES: &[&str] = &["qemu-system-x86", "make", "gcc", "kmod", "xz-utils", "zstd"];
+pub const VM_PACKAGES: &[&str] = &[
+    "qemu-system-x86",
+    "make",
+    "gcc",
+    "kmod",
+    "xz-utils",
+    "zstd",
+    "e2fsprogs",
+];
 
 /// Installs whichever of `packages` are missing, with apt-get (as root).
 pub fn ensure_packages(packages: &[&str]) -> anyhow::Result<()> {

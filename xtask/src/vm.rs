@@ -140,6 +140,8 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         std::fs::write(run_dir.join("plan.txt"), plan)?;
         disk::write_nvme_image(&nvme_image)?;
         disk::write_gpu_backing(&gpu_backing, pattern::GPU_MEMORY_BYTES)?;
+        disk::write_ext4_image(&run_dir.join("ext4.img"), disk::SMALL_DRIVE_BYTES)?;
+        disk::write_gpu_backing(&run_dir.join("nvme2.img"), disk::SMALL_DRIVE_BYTES)?;
         Ok(())
     })?;
 
@@ -157,6 +159,8 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         gpu_backing: gpu_backing.clone(),
         gpu_bytes: pattern::GPU_MEMORY_BYTES,
         nvme_errors: nvme_errors(),
+        ext4_image: run_dir.join("ext4.img"),
+        nvme2_image: run_dir.join("nvme2.img"),
         run_dir: run_dir.clone(),
     };
     let limit = Duration::from_secs(

@@ -9,6 +9,10 @@
 //! The plan, `/etc/fgds/plan`, is written by the host, one directive a line:
 //! `module <kernel|rig> <path> [params]` and `test <name> <path> <timeout-seconds>`.
 //! In module params `@ivshmem@` stands for the fake GPU's PCI address.
+//!
+//! Tests get the rig's drives in their environment: `FGDS_NVME` (the raw drive: the pattern,
+//! then scratch), `FGDS_EXT4` (where an ext4 filesystem on a second namespace is mounted) and
+//! `FGDS_NVME2` (a second drive, on its own hot-pluggable slot).
 
 use std::ffi::CString;
 use std::fs::{self, File, OpenOptions};
@@ -53,7 +57,12 @@ fn run() -> anyhow::Result<()> {
     let (modules, tests) = read_plan()?;
     // Modules first: the KTAP port's driver (virtio_console) may be one of them.
     kmsg("begin setup");
-    let setup = load_modules(&modules);
+    let mut setup = load_modules(&modules);
+    let (drives, drive_errors) = prepare_drives();
+    if !drive_errors.is_empty() {
+        let previous = setup.err().map(|e| format!("{e:#}\n")).unwrap_or_default();
+        setup = Err(anyhow::format_err!("{previous}{}", drive_errors.join("\n")));
+    }
     kmsg("end setup");
     let mut ktap = open_ktap_port()?;
     writeln!(ktap, "KTAP version 1")?;
@@ -71,7 +80,7 @@ fn run() -> anyhow::Result<()> {
     ktap.flush()?;
 
     for (i, test) in tests.iter().enumerate() {
-        run_test(&mut ktap, i + 2, test)?;
+        run_test(&mut ktap, i + 2, test, &drives)?;
     }
     kmsg("begin kmemleak");
     let leaks = kmemleak_scan();
@@ -200,7 +209,6 @@ fn load_modules(modules: &[Module]) -> anyhow::Result<()> {
         }
     }
     fs::write(LOADED, loaded).with_context(|| format!("cannot write {LOADED}"))?;
-    wait_for_devices();
     if errors.is_empty() {
         Ok(())
     } else {
@@ -216,12 +224,85 @@ fn is_loaded(path: &str) -> bool {
     Path::new("/sys/module").join(name).exists()
 }
 
-/// Waits (bounded) for the NVMe namespace, which the driver probes asynchronously.
-fn wait_for_devices() {
+/// The rig's block devices, found by controller serial and namespace id (the kernel names
+/// controllers in probe order, which is not fixed).
+#[derive(Default)]
+struct Drives {
+    /// Serial `fgds0`, namespace 1: the raw drive with the pattern.
+    nvme: Option<String>,
+    /// Serial `fgds0`, namespace 2: an ext4 filesystem, mounted at [`EXT4_MOUNT`].
+    ext4: Option<String>,
+    /// Serial `fgds1`, namespace 1: a second drive, on its own hot-pluggable slot.
+    nvme2: Option<String>,
+}
+
+const EXT4_MOUNT: &str = "/mnt/ext4";
+
+/// Waits (bounded) for the rig's NVMe namespaces, which the driver probes asynchronously.
+fn find_drives() -> Drives {
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !Path::new("/dev/nvme0n1").exists() && Instant::now() < deadline {
+    loop {
+        let mut drives = Drives::default();
+        for entry in fs::read_dir("/sys/block").into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix("nvme") else {
+                continue;
+            };
+            let Some((_, nsid)) = rest.split_once('n') else {
+                continue;
+            };
+            if rest.contains('c') || rest.contains('p') {
+                continue; // A path of a multipath namespace, or a partition.
+            }
+            let serial = fs::read_to_string(entry.path().join("device/serial")).unwrap_or_default();
+            let dev = format!("/dev/{name}");
+            match (serial.trim(), nsid) {
+                ("fgds0", "1") => drives.nvme = Some(dev),
+                ("fgds0", "2") => drives.ext4 = Some(dev),
+                ("fgds1", "1") => drives.nvme2 = Some(dev),
+                _ => {}
+            }
+        }
+        let all = drives.nvme.is_some() && drives.ext4.is_some() && drives.nvme2.is_some();
+        let ready = |d: &Option<String>| d.as_deref().is_some_and(|p| Path::new(p).exists());
+        if (all && ready(&drives.nvme) && ready(&drives.ext4) && ready(&drives.nvme2))
+            || Instant::now() > deadline
+        {
+            return drives;
+        }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Finds the drives and mounts the ext4 one; the errors name what is missing.
+fn prepare_drives() -> (Drives, Vec<String>) {
+    let drives = find_drives();
+    let mut errors = Vec::new();
+    if drives.nvme.is_none() {
+        errors.push(
+            "no NVMe namespace 1 of serial fgds0 (the raw drive): is the nvme driver loaded?"
+                .to_owned(),
+        );
+    }
+    if drives.nvme2.is_none() {
+        errors.push("no NVMe namespace of serial fgds1 (the second drive)".to_owned());
+    }
+    match &drives.ext4 {
+        None => errors.push("no NVMe namespace 2 of serial fgds0 (the ext4 drive)".to_owned()),
+        Some(dev) => {
+            let _ = fs::create_dir_all(EXT4_MOUNT);
+            if let Err(err) = rustix::mount::mount(
+                dev.as_str(),
+                EXT4_MOUNT,
+                "ext4",
+                rustix::mount::MountFlags::empty(),
+                None,
+            ) {
+                errors.push(format!("cannot mount {dev} (ext4) on {EXT4_MOUNT}: {err}"));
+            }
+        }
+    }
+    (drives, errors)
 }
 
 fn find_pci_device(vendor: &str, device: &str) -> Option<String> {
@@ -235,11 +316,19 @@ fn find_pci_device(vendor: &str, device: &str) -> Option<String> {
     None
 }
 
-fn run_test(ktap: &mut File, number: usize, test: &Test) -> anyhow::Result<()> {
+fn run_test(ktap: &mut File, number: usize, test: &Test, drives: &Drives) -> anyhow::Result<()> {
     kmsg(&format!("begin {}", test.name));
     let started = Instant::now();
-    let child = Command::new(&test.path)
-        .env("FGDS_NVME", "/dev/nvme0n1")
+    let mut command = Command::new(&test.path);
+    for (var, value) in [("FGDS_NVME", &drives.nvme), ("FGDS_NVME2", &drives.nvme2)] {
+        if let Some(dev) = value {
+            command.env(var, dev);
+        }
+    }
+    if drives.ext4.is_some() {
+        command.env("FGDS_EXT4", EXT4_MOUNT);
+    }
+    let child = command
         .env("PATH", "/bin:/tests:/exec")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
