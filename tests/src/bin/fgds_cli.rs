@@ -1,0 +1,137 @@
+//! The `fgds` CLI in the guest: `fgds list` shows the GPU and its mode, and `fgds bench` runs
+//! every mode, reporting each one's throughput as a ratio of `ram` (p2pmem skipped with a
+//! reason where the kernel or exporter has none).
+
+use std::process::Command;
+
+use anyhow::{Context, ensure};
+use fgds_tests::ktap::{self, Case, CaseResult};
+
+fn main() {
+    ktap::run(&[
+        Case {
+            name: "list_shows_the_gpu_and_its_mode",
+            run: list_shows_the_gpu_and_its_mode,
+        },
+        Case {
+            name: "read_then_write_round_trip",
+            run: read_then_write_round_trip,
+        },
+        Case {
+            name: "bench_runs_every_mode",
+            run: bench_runs_every_mode,
+        },
+    ])
+}
+
+fn fgds(args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new("/bin/fgds")
+        .args(args)
+        .output()
+        .context("cannot run /bin/fgds")?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        out.status.success(),
+        "fgds {} failed: {}\n{stdout}",
+        args.join(" "),
+        stderr.trim()
+    );
+    Ok(stdout)
+}
+
+fn list_shows_the_gpu_and_its_mode() -> CaseResult {
+    let gpus = fgds::Gpu::list()?;
+    ensure!(
+        gpus.len() == 1,
+        "fgds serves {} GPUs, expected the rig's one",
+        gpus.len()
+    );
+    let text = fgds(&["list"])?;
+    ktap::diag(text.trim());
+    ensure!(
+        text.contains(&gpus[0].bdf),
+        "`fgds list` does not show {}",
+        gpus[0].bdf
+    );
+    ensure!(
+        text.contains(&gpus[0].mode),
+        "`fgds list` does not show the mode {}",
+        gpus[0].mode
+    );
+    let json: Vec<serde_json::Value> = serde_json::from_str(&fgds(&["list", "--json"])?)?;
+    ensure!(
+        json.len() == 1 && json[0]["bdf"] == gpus[0].bdf.as_str(),
+        "`fgds list --json` disagrees: {json:?}"
+    );
+    ktap::pass()
+}
+
+fn read_then_write_round_trip() -> CaseResult {
+    let nvme = fgds_tests::guest::nvme_path()?;
+    let dev = nvme.to_string_lossy().into_owned();
+    // 4 MiB of the pattern into GPU memory, then from GPU memory to the scratch area.
+    fgds(&["read", &dev, "--vgpu", "0", "--len", "4194304"])?;
+    let out = fgds(&[
+        "write",
+        &dev,
+        "--vgpu",
+        "0",
+        "--len",
+        "4194304",
+        "--file-offset",
+        "134217728",
+    ])?;
+    ensure!(out.contains("4194304 bytes"), "unexpected output: {out}");
+    ktap::pass()
+}
+
+fn bench_runs_every_mode() -> CaseResult {
+    let args = [
+        "bench",
+        "--vgpu",
+        "0",
+        "--total",
+        "33554432",
+        "--repeat",
+        "2",
+        "--block-size",
+        "1048576",
+        "--json",
+    ];
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&fgds(&args)?)?;
+    for row in &rows {
+        ktap::diag(row.to_string());
+    }
+    let mode = |m: &str| {
+        rows.iter()
+            .find(|r| r["mode"] == m)
+            .with_context(|| format!("no row for mode {m}"))
+    };
+    for m in ["ram", "direct", "bounce"] {
+        let row = mode(m)?;
+        ensure!(
+            row["mib_s"].as_f64().is_some_and(|v| v > 0.0),
+            "mode {m} has no throughput: {row}"
+        );
+        ensure!(
+            row["ratio_to_ram"].as_f64().is_some_and(|v| v > 0.0),
+            "mode {m} has no ratio to ram: {row}"
+        );
+    }
+    let p2pmem = mode("p2pmem")?;
+    ensure!(
+        p2pmem["mib_s"].as_f64().is_some()
+            || p2pmem["skipped"].as_str().is_some_and(|r| !r.is_empty()),
+        "p2pmem neither ran nor said why not: {p2pmem}"
+    );
+    let text = fgds(&[
+        "bench", "--vgpu", "0", "--total", "16777216", "--repeat", "1",
+    ])?;
+    ktap::diag(text.trim());
+    ensure!(
+        text.contains("x ram"),
+        "the table has no ratio column:\n{text}"
+    );
+    ktap::pass()
+}
