@@ -1,6 +1,7 @@
 //! `cargo xtask test-vm`: one kernel, one machine, the whole suite.
 
-use std::path::PathBuf;
+use std::fs::File;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -76,9 +77,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     let started = Instant::now();
     let spec: kernel::KernelSpec = opts.kernel.parse()?;
     let label = spec.slug();
-    let run_dir = crate::project_root().join("target/vm").join(&label);
-    std::fs::create_dir_all(&run_dir)
-        .with_context(|| format!("cannot create {}", run_dir.display()))?;
+    let (run_dir, _lock) = claim_run_dir(&crate::project_root().join("target/vm"), &label)?;
     eprintln!(
         "test-vm: {} (artifacts in {})",
         opts.kernel,
@@ -213,6 +212,30 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         took: started.elapsed(),
         outcomes,
     })
+}
+
+/// Claims `vm/<label>` for this run, or `vm/<label>-2`, `-3`... while other runs of the same
+/// kernel hold those (a lock file each, released when the returned file is dropped).
+fn claim_run_dir(vm: &Path, label: &str) -> anyhow::Result<(PathBuf, File)> {
+    std::fs::create_dir_all(vm).with_context(|| format!("cannot create {}", vm.display()))?;
+    for n in 1..=16 {
+        let name = if n == 1 {
+            label.to_owned()
+        } else {
+            format!("{label}-{n}")
+        };
+        let lock = File::create(vm.join(format!("{name}.lock")))?;
+        if rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok() {
+            let dir = vm.join(name);
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("cannot create {}", dir.display()))?;
+            return Ok((dir, lock));
+        }
+    }
+    bail!(
+        "16 runs of {label} are under way in {}: wait for one to end",
+        vm.display()
+    )
 }
 
 /// The drive's fault areas (`fgds_tests::pattern::fault`) as blkdebug rules, EIO each.
