@@ -361,25 +361,13 @@ fn two_processes() -> CaseResult {
     ktap::pass()
 }
 
-/// O_DIRECT on a file in an ext4 filesystem (iomap direct I/O), both directions. Needs a block
-/// device holding an empty ext4 filesystem, named by FGDS_EXT4 (the guest has no mkfs).
+/// O_DIRECT on a file in an ext4 filesystem (iomap direct I/O), both directions. The rig
+/// mounts one and names its mount point in FGDS_EXT4.
 fn ext4_file() -> CaseResult {
-    let Some(dev) = std::env::var_os("FGDS_EXT4") else {
+    let Some(dir) = std::env::var_os("FGDS_EXT4") else {
         return ktap::skip("the rig provides no ext4 filesystem (FGDS_EXT4 unset)");
     };
-    let dir = std::path::Path::new("/run/fgds-ext4");
-    std::fs::create_dir_all(dir)?;
-    rustix::mount::mount(
-        std::path::Path::new(&dev),
-        dir,
-        "ext4",
-        rustix::mount::MountFlags::empty(),
-        None,
-    )
-    .with_context(|| format!("mount {} as ext4", dev.to_string_lossy()))?;
-    let result = ext4_file_in(dir);
-    let _ = rustix::mount::unmount(dir, rustix::mount::UnmountFlags::empty());
-    result
+    ext4_file_in(std::path::Path::new(&dir))
 }
 
 fn ext4_file_in(dir: &std::path::Path) -> CaseResult {
