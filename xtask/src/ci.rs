@@ -110,6 +110,8 @@ fn check_driver_outcomes(opts: &DriverOptions) -> Vec<Outcome> {
 fn cargo_step(root: &Path, name: &str, args: &[&str]) -> anyhow::Result<Outcome> {
     let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
         .current_dir(root)
+        // Rustdoc warnings (broken links, ...) fail the doc step.
+        .env("RUSTDOCFLAGS", "-D warnings")
         .args(args)
         .status()?;
     let verdict = if status.success() {
