@@ -77,8 +77,10 @@ struct Pick {
     release: String,
     /// The version of the kernel's packages, e.g. "6.1.192-3".
     version: String,
-    /// Every package to unpack, with its exact version.
-    packages: Vec<(String, String)>,
+    /// The headers package, whose dependencies lead to the others.
+    headers: apt::Candidate,
+    /// The ABI name, e.g. "6.12.117+deb12".
+    abi: String,
 }
 
 fn resolve(apt: &apt::Apt, series: &str) -> anyhow::Result<Pick> {
@@ -108,11 +110,11 @@ fn resolve(apt: &apt::Apt, series: &str) -> anyhow::Result<Pick> {
             series_offered.join(", ")
         );
     };
-    let packages = package_set(apt, &headers, &abi)?;
     Ok(Pick {
         release: format!("{abi}-{FLAVOUR}"),
-        version: headers.version,
-        packages,
+        version: headers.version.clone(),
+        headers,
+        abi,
     })
 }
 
@@ -406,8 +408,9 @@ fn prepare_fresh(
     remove_dir_all_if_exists(root)?;
     fs::create_dir_all(root).with_context(|| format!("cannot create {}", root.display()))?;
     host::ensure(host::UNPACK, log)?;
+    let packages = package_set(apt, &pick.headers, &pick.abi)?;
     let mut debs = Vec::new();
-    for (package, version) in &pick.packages {
+    for (package, version) in &packages {
         debs.push(apt.download(package, version)?);
     }
     eprintln!("unpacking {release} into {} ...", root.display());
@@ -455,7 +458,7 @@ fn prepare_fresh(
         "spec={}\nrelease={release}\npackage_version={}\n",
         kernel.spec, kernel.package_version
     );
-    for (package, version) in &pick.packages {
+    for (package, version) in &packages {
         marker.push_str(&format!("package={package}={version}\n"));
     }
     for var in &kernel.make_vars {
