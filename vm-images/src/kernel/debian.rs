@@ -306,8 +306,8 @@ fn choose_version(
         .map(|it| it.version.clone()))
 }
 
-/// Where things are in an unpacked kernel (6.x: /boot and /lib/modules; 7.x: all under
-/// /usr/lib/modules/<release>).
+/// Where things are in an unpacked kernel (6.x: `/boot` and `/lib/modules`; 7.x: all under
+/// `/usr/lib/modules/<release>`).
 struct Layout {
     vmlinuz: PathBuf,
     modules_dir: PathBuf,
