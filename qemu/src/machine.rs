@@ -38,6 +38,8 @@ pub struct Config {
     pub gpu_bytes: u64,
     /// I/O errors the drive returns at fixed sectors.
     pub nvme_errors: Vec<InjectError>,
+    /// A translating vIOMMU (intel-iommu), with each device on its own root port.
+    pub iommu: bool,
     /// Where the console log, the KTAP log, the QEMU log and the QMP socket go.
     pub run_dir: PathBuf,
 }
@@ -111,14 +113,7 @@ pub fn args(config: &Config) -> Vec<String> {
         "-display",
         "none",
     ]);
-    push(&[
-        "-cpu",
-        if config.accel == Accel::Kvm {
-            "host"
-        } else {
-            "qemu64"
-        },
-    ]);
+    push(&["-cpu", cpu_model(config)]);
     push(&[
         "-smp",
         &config.cpus.to_string(),
@@ -133,7 +128,12 @@ pub fn args(config: &Config) -> Vec<String> {
     ]);
     push(&[
         "-append",
-        format!("{BASE_CMDLINE} {}", config.cmdline).trim(),
+        format!(
+            "{BASE_CMDLINE} {} {}",
+            device_cmdline(config),
+            config.cmdline
+        )
+        .trim(),
     ]);
     push(&[
         "-chardev",
@@ -166,21 +166,40 @@ pub fn args(config: &Config) -> Vec<String> {
         &format!("unix:{},server=on,wait=off", path(&files.ctl_qmp)),
     ]);
     push(&["-device", "pvpanic-pci"]);
-    // The switch: root port -> upstream port -> three downstream ports (hot-pluggable slots):
-    // the NVMe drive, the GPU, the second NVMe drive.
-    push(&[
-        "-device",
-        "pcie-root-port,id=rp0,bus=pcie.0,chassis=1,slot=1",
-    ]);
-    push(&["-device", "x3130-upstream,id=up0,bus=rp0"]);
-    for (i, port) in ["dn0", GPU_BUS, "dn2"].iter().enumerate() {
+    if config.iommu {
+        // A translating vIOMMU. QEMU sends every DMA through it, so switch-local P2P (bus
+        // addresses) would break: each device gets its own root port instead, and P2P goes
+        // through the host bridge, which Linux allows for an AMD Zen CPU (the CPU model's
+        // family 23, see `cpu_model`). research/kernel-mechanisms.md 1.4 and 6.
+        push(&["-device", "intel-iommu,intremap=off"]);
+        for (i, port) in ["dn0", GPU_BUS, "dn2"].iter().enumerate() {
+            push(&[
+                "-device",
+                &format!(
+                    "pcie-root-port,id={port},bus=pcie.0,chassis={},slot={}",
+                    i + 2,
+                    i + 1
+                ),
+            ]);
+        }
+    } else {
+        // The switch: root port -> upstream port -> three downstream ports (hot-pluggable
+        // slots): the NVMe drive, the GPU, the second NVMe drive. A shared upstream bridge
+        // makes the kernel's P2P distance check pass without a host bridge allowlist.
         push(&[
             "-device",
-            &format!(
-                "xio3130-downstream,id={port},bus=up0,chassis={},slot=0",
-                i + 2
-            ),
+            "pcie-root-port,id=rp0,bus=pcie.0,chassis=1,slot=1",
         ]);
+        push(&["-device", "x3130-upstream,id=up0,bus=rp0"]);
+        for (i, port) in ["dn0", GPU_BUS, "dn2"].iter().enumerate() {
+            push(&[
+                "-device",
+                &format!(
+                    "xio3130-downstream,id={port},bus=up0,chassis={},slot=0",
+                    i + 2
+                ),
+            ]);
+        }
     }
     // blkdebug sits under the raw node: the raw driver emits the read_aio/write_aio events on
     // its child (research/kernel-mechanisms.md 5.2).
@@ -220,6 +239,25 @@ pub fn args(config: &Config) -> Vec<String> {
         &format!("ivshmem-plain,id={GPU_ID},memdev=vram0,bus={GPU_BUS}"),
     ]);
     args
+}
+
+/// The vCPU model: the host's under KVM; under TCG `qemu64` (AMD, family 15), or with a
+/// vIOMMU the same with family 23 (Zen), for which Linux allows P2P through the host bridge.
+fn cpu_model(config: &Config) -> &'static str {
+    match (config.accel, config.iommu) {
+        (Accel::Kvm, _) => "host",
+        (Accel::Tcg, false) => "qemu64",
+        (Accel::Tcg, true) => "qemu64,family=23",
+    }
+}
+
+/// Kernel parameters for the machine's devices: with a vIOMMU, translate every DMA strictly.
+pub fn device_cmdline(config: &Config) -> &'static str {
+    if config.iommu {
+        "intel_iommu=on iommu.passthrough=0 iommu.strict=1"
+    } else {
+        ""
+    }
 }
 
 fn raw_blockdev(node: &str, image: &Path) -> String {

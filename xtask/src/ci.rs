@@ -62,6 +62,7 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
             vgpu_mode: "plain".to_owned(),
             only: Vec::new(),
             no_suite: false,
+            iommu: false,
         };
         outcomes.extend(or_failure(
             &format!("{kernel}::run"),

@@ -52,6 +52,7 @@ pub fn matrix(opts: &Options) -> anyhow::Result<ExitCode> {
             vgpu_mode: opts.vgpu_mode.clone(),
             only: Vec::new(),
             no_suite: false,
+            iommu: false,
         };
         match vm::run_kernel(&vm_opts) {
             Ok(run) => {

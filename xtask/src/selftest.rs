@@ -46,6 +46,7 @@ pub fn run(kernel: &str) -> anyhow::Result<Vec<Outcome>> {
         vgpu_mode: "plain".to_owned(),
         only: Vec::new(),
         no_suite: true,
+        iommu: false,
     };
     let endings = vm::run_kernel(&vm::Options {
         exec: programs[..3].to_vec(),

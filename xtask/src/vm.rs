@@ -37,6 +37,10 @@ pub struct Options {
     /// Run only the suite's programs whose names contain this (repeatable; --exec ones always run).
     #[arg(long = "only", value_name = "NAME")]
     pub only: Vec<String>,
+    /// A translating vIOMMU (intel-iommu); devices on separate root ports, P2P through the
+    /// host bridge.
+    #[arg(long)]
+    pub iommu: bool,
     /// Run no suite program, only the --exec ones.
     #[arg(long)]
     pub no_suite: bool,
@@ -76,7 +80,11 @@ pub struct KernelRun {
 pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     let started = Instant::now();
     let spec: kernel::KernelSpec = opts.kernel.parse()?;
-    let label = spec.slug();
+    let label = if opts.iommu {
+        format!("{}-iommu", spec.slug())
+    } else {
+        spec.slug()
+    };
     let (run_dir, _lock) = claim_run_dir(&crate::project_root().join("target/vm"), &label)?;
     eprintln!(
         "test-vm: {} (artifacts in {})",
@@ -158,6 +166,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         gpu_backing: gpu_backing.clone(),
         gpu_bytes: pattern::GPU_MEMORY_BYTES,
         nvme_errors: nvme_errors(),
+        iommu: opts.iommu,
         ext4_image: run_dir.join("ext4.img"),
         nvme2_image: run_dir.join("nvme2.img"),
         run_dir: run_dir.clone(),
