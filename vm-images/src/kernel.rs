@@ -1,5 +1,7 @@
 //! Kernels for the rig: Debian's prebuilt packages, fetched by package name into a private apt
-//! cache, or a tree the user built; made ready to boot and to build out-of-tree modules against.
+//! cache, kernels built from Debian's `linux-source-X.Y` with the rig's config fragments
+//! (`vm-images/configs/`), or a tree the user built; made ready to boot and to build out-of-tree
+//! modules against.
 //!
 //! Layout under the cache dir (`$XDG_CACHE_HOME/fgds` or `~/.cache/fgds` for the rig):
 //!
@@ -9,7 +11,10 @@
 //!                      marker file `.fgds-prepared` once it is complete
 //! kernels/<release>.log
 //! kernels/path-<name>-<hash>/   modules installed from a `path:` tree
-//! src/<linux-source-X.Y_version>/   unpacked `linux-source-X.Y`, for rebuilding kbuild host tools
+//! kernels/build-<X.Y>[-debug]-<key>/   a `build:` kernel: build/ (the O= tree, kdir), modules/,
+//!                      `.fgds-built` once complete (see `build.rs`); its log beside it
+//! src/<linux-source-X.Y_version>/   unpacked `linux-source-X.Y`: the source of `build:`
+//!                      kernels, and of kbuild host tools rebuilt for `debian:` ones
 //! ko/<release>-<hash>/ decompressed `.ko` files handed out by [`module_load_order`]
 //! ```
 //!
@@ -17,11 +22,14 @@
 //! only system-wide action is `apt-get install` of missing host tools (kmod, libelf-dev, ...).
 
 mod apt;
+mod build;
 mod debian;
 mod debver;
 mod host;
 mod kbuild;
+mod kconfig;
 mod modules;
+mod source;
 mod tree;
 
 use std::{
@@ -38,6 +46,9 @@ use anyhow::{Context, bail, format_err};
 pub enum KernelSpec {
     /// Debian's prebuilt `-amd64` kernel of a series such as "6.1", "6.12", "7.2" or "7.3".
     Debian { series: String },
+    /// Built from Debian's `linux-source-X.Y` with `vm-images/configs/base.config`, plus
+    /// `debug.config` (KASAN, lockdep, kmemleak, DMABUF_DEBUG, fault injection) if `debug`.
+    Build { series: String, debug: bool },
     /// A kernel tree the user configured and built (`make bzImage modules`).
     Path(PathBuf),
 }
@@ -49,7 +60,8 @@ pub struct Kernel {
     pub spec: String,
     /// `uname -r` of the kernel, e.g. "6.12.117+deb12-amd64".
     pub release: String,
-    /// The exact Debian package version, e.g. "6.12.117-1~deb12u1"; empty for `path:` kernels.
+    /// The exact Debian package version, e.g. "6.12.117-1~deb12u1" (of `linux-source-X.Y` for
+    /// `build:` kernels); empty for `path:` kernels.
     pub package_version: String,
     pub vmlinuz: PathBuf,
     /// `.../lib/modules/<release>`, with `modules.dep`.
@@ -73,6 +85,7 @@ pub fn prepare(spec: &KernelSpec, cache_dir: &Path) -> anyhow::Result<Kernel> {
         .with_context(|| format!("cannot create the cache dir {}", cache_dir.display()))?;
     let res = match spec {
         KernelSpec::Debian { series } => debian::prepare(series, cache_dir),
+        KernelSpec::Build { series, debug } => build::prepare(series, *debug, cache_dir),
         KernelSpec::Path(dir) => tree::prepare(dir, cache_dir),
     };
     res.with_context(|| format!("cannot prepare kernel {spec}"))
@@ -106,14 +119,32 @@ impl FromStr for KernelSpec {
 
     fn from_str(s: &str) -> anyhow::Result<KernelSpec> {
         const FORMS: &str = "accepted forms: `debian:X.Y` (Debian's prebuilt -amd64 kernel of \
-                             series X.Y, e.g. debian:6.1, debian:6.12, debian:7.2, debian:7.3) \
-                             or `path:DIR` (a kernel tree built with `make bzImage modules`)";
+                             series X.Y, e.g. debian:6.1, debian:6.12, debian:7.2, debian:7.3), \
+                             `build:X.Y[+debug]` (built from Debian's linux-source-X.Y with the \
+                             rig's config, e.g. build:6.12, build:7.2+debug) or `path:DIR` (a \
+                             kernel tree built with `make bzImage modules`)";
         if let Some(series) = s.strip_prefix("debian:") {
             if !is_series(series) {
                 bail!("invalid kernel spec {s:?}: {series:?} is not a series like 6.12; {FORMS}");
             }
             return Ok(KernelSpec::Debian {
                 series: series.to_owned(),
+            });
+        }
+        if let Some(rest) = s.strip_prefix("build:") {
+            let (series, debug) = match rest.split_once('+') {
+                Some((series, "debug")) => (series, true),
+                Some((_, flavour)) => bail!(
+                    "invalid kernel spec {s:?}: unknown variant +{flavour} (only +debug exists); {FORMS}"
+                ),
+                None => (rest, false),
+            };
+            if !is_series(series) {
+                bail!("invalid kernel spec {s:?}: {series:?} is not a series like 6.12; {FORMS}");
+            }
+            return Ok(KernelSpec::Build {
+                series: series.to_owned(),
+                debug,
             });
         }
         if let Some(dir) = s.strip_prefix("path:") {
@@ -130,16 +161,25 @@ impl fmt::Display for KernelSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             KernelSpec::Debian { series } => write!(f, "debian:{series}"),
+            KernelSpec::Build { series, debug } => {
+                write!(f, "build:{series}{}", if *debug { "+debug" } else { "" })
+            }
             KernelSpec::Path(dir) => write!(f, "path:{}", dir.display()),
         }
     }
 }
 
 impl KernelSpec {
-    /// A filesystem-safe name for the spec, e.g. "debian-6.12" or "path-linux-0123456789abcdef".
+    /// A filesystem-safe name for the spec, e.g. "debian-6.12", "build-6.12-debug" or
+    /// "path-linux-0123456789abcdef".
     pub fn slug(&self) -> String {
         match self {
             KernelSpec::Debian { series } => format!("debian-{}", sanitize(series)),
+            KernelSpec::Build { series, debug } => format!(
+                "build-{}{}",
+                sanitize(series),
+                if *debug { "-debug" } else { "" }
+            ),
             KernelSpec::Path(dir) => {
                 let name = dir
                     .file_name()
@@ -257,6 +297,28 @@ fn lock_file(path: &Path) -> anyhow::Result<FileLock> {
     Ok(FileLock { _file: file })
 }
 
+/// Like [`lock_file`], but says `waiting` on stderr first if another process holds the lock.
+fn lock_file_announced(path: &Path, waiting: &str) -> anyhow::Result<FileLock> {
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("cannot open lock file {}", path.display()))?;
+    use rustix::fs::{FlockOperation, flock};
+    match flock(&file, FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => return Ok(FileLock { _file: file }),
+        Err(rustix::io::Errno::WOULDBLOCK) => eprintln!("{waiting} ..."),
+        Err(e) => return Err(e).with_context(|| format!("cannot lock {}", path.display())),
+    }
+    flock(&file, FlockOperation::LockExclusive)
+        .with_context(|| format!("cannot lock {}", path.display()))?;
+    Ok(FileLock { _file: file })
+}
+
 /// `path` with `suffix` appended to its last component ("6.1.0-57-amd64" + ".lock"), unlike
 /// `Path::with_extension`, which would cut the name at its last dot.
 fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
@@ -294,6 +356,39 @@ mod tests {
     }
 
     #[test]
+    fn parses_build_specs() {
+        let spec: KernelSpec = "build:6.12".parse().unwrap();
+        assert_eq!(
+            spec,
+            KernelSpec::Build {
+                series: "6.12".to_owned(),
+                debug: false
+            }
+        );
+        assert_eq!(spec.to_string(), "build:6.12");
+        assert_eq!(spec.slug(), "build-6.12");
+        let spec: KernelSpec = "build:7.2+debug".parse().unwrap();
+        assert_eq!(
+            spec,
+            KernelSpec::Build {
+                series: "7.2".to_owned(),
+                debug: true
+            }
+        );
+        assert_eq!(spec.to_string(), "build:7.2+debug");
+        assert_eq!(spec.slug(), "build-7.2-debug");
+        assert_eq!(
+            "build:6.12+debug".parse::<KernelSpec>().unwrap().slug(),
+            "build-6.12-debug"
+        );
+        let err = "build:6.12+kasan"
+            .parse::<KernelSpec>()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("+kasan") && err.contains("+debug"), "{err}");
+    }
+
+    #[test]
     fn parses_path_specs() {
         let spec: KernelSpec = "path:/src/linux".parse().unwrap();
         assert_eq!(spec, KernelSpec::Path(PathBuf::from("/src/linux")));
@@ -316,12 +411,19 @@ mod tests {
             "debian:6",
             "debian:6.x",
             "debian:bookworm",
+            "build:",
+            "build:6",
+            "build:+debug",
+            "build:6.12+",
+            "build:6.12+debug+debug",
             "path:",
             "",
         ] {
             let err = bad.parse::<KernelSpec>().unwrap_err().to_string();
             assert!(
-                err.contains("debian:X.Y") && err.contains("path:DIR"),
+                err.contains("debian:X.Y")
+                    && err.contains("build:X.Y[+debug]")
+                    && err.contains("path:DIR"),
                 "{bad}: {err}"
             );
         }

@@ -21,7 +21,7 @@ use xshell::{Shell, cmd};
 
 use super::{
     Kernel, append_log, apt, debver, host, kbuild, lock_file, remove_dir_all_if_exists, run_logged,
-    sanitize, with_suffix,
+    sanitize, source, with_suffix,
 };
 
 const FLAVOUR: &str = "amd64";
@@ -162,7 +162,10 @@ fn headers_abi<'a>(package: &'a str, series: &str) -> Option<&'a str> {
 
 /// The newest candidate, among those of the host's suites (`codename`, `codename-*`) if there
 /// are any.
-fn pick_newest<'a>(candidates: &'a [apt::Candidate], codename: &str) -> Option<&'a apt::Candidate> {
+pub(super) fn pick_newest<'a>(
+    candidates: &'a [apt::Candidate],
+    codename: &str,
+) -> Option<&'a apt::Candidate> {
     let is_host_suite =
         |it: &apt::Candidate| it.suite == codename || it.suite.starts_with(&format!("{codename}-"));
     let host_only = candidates.iter().any(is_host_suite);
@@ -625,7 +628,7 @@ fn rebuild_host_tools(
             broken.join(", ")
         );
     }
-    let src = unpack_source(apt, cache_dir, &package, version)?;
+    let src = source::unpack(apt, cache_dir, &package, version)?;
     eprintln!(
         "rebuilding kbuild host tools of {} from {package} ...",
         pick.release
@@ -650,60 +653,6 @@ fn rebuild_host_tools(
         bail!("rebuilt kbuild host tools from {package}, but {needed} still does not run here");
     }
     Ok(())
-}
-
-/// Unpacks `package` (a linux-source-X.Y) once into `<cache>/src/<package>_<version>/` and
-/// returns the kernel source tree in it.
-fn unpack_source(
-    apt: &apt::Apt,
-    cache_dir: &Path,
-    package: &str,
-    version: &str,
-) -> anyhow::Result<PathBuf> {
-    let dir = cache_dir
-        .join("src")
-        .join(format!("{package}_{}", sanitize(version)));
-    fs::create_dir_all(dir.parent().unwrap_or(cache_dir))?;
-    let _lock = lock_file(&with_suffix(&dir, ".lock"))?;
-    let marker = dir.join(".fgds-unpacked");
-    if let Ok(tree) = fs::read_to_string(&marker) {
-        let tree = dir.join(tree.trim());
-        if tree.join("Makefile").exists() {
-            return Ok(tree);
-        }
-    }
-    remove_dir_all_if_exists(&dir)?;
-    let deb_root = dir.join("deb");
-    fs::create_dir_all(&deb_root)
-        .with_context(|| format!("cannot create {}", deb_root.display()))?;
-    let log = dir.join("unpack.log");
-    let deb = apt.download(package, version)?;
-    eprintln!("unpacking {package} {version} into {} ...", dir.display());
-    let sh = Shell::new()?;
-    run_logged(cmd!(sh, "dpkg -x {deb} {deb_root}"), &log)?;
-    let usr_src = deb_root.join("usr/src");
-    let tarball = fs::read_dir(&usr_src)
-        .with_context(|| format!("cannot read {}", usr_src.display()))?
-        .filter_map(|it| Some(it.ok()?.path()))
-        .find(|it| {
-            it.file_name()
-                .is_some_and(|name| name.to_string_lossy().contains(".tar"))
-        })
-        .ok_or_else(|| format_err!("{package} has no source tarball in /usr/src"))?;
-    run_logged(cmd!(sh, "tar -xf {tarball} -C {dir}"), &log)?;
-    remove_dir_all_if_exists(&deb_root)?;
-    let _ = fs::remove_file(&deb);
-    let tree = fs::read_dir(&dir)?
-        .filter_map(|it| Some(it.ok()?.path()))
-        .find(|it| it.join("Makefile").exists())
-        .ok_or_else(|| format_err!("the tarball of {package} holds no kernel tree"))?;
-    let name = tree
-        .file_name()
-        .unwrap_or_default()
-        .to_string_lossy()
-        .into_owned();
-    fs::write(&marker, name).with_context(|| format!("cannot write {}", marker.display()))?;
-    Ok(tree)
 }
 
 #[cfg(test)]

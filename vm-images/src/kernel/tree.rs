@@ -11,8 +11,8 @@ use anyhow::{Context, bail, format_err};
 use xshell::{Shell, cmd};
 
 use super::{
-    Kernel, KernelSpec, config_value, host, kbuild, lock_file, remove_dir_all_if_exists,
-    run_logged, with_suffix,
+    Kernel, KernelSpec, append_log, config_value, host, kbuild, lock_file,
+    remove_dir_all_if_exists, run_logged, with_suffix,
 };
 
 pub(super) fn prepare(dir: &Path, cache_dir: &Path) -> anyhow::Result<Kernel> {
@@ -61,8 +61,14 @@ pub(super) fn prepare(dir: &Path, cache_dir: &Path) -> anyhow::Result<Kernel> {
     })
 }
 
-/// `make modules_install` into `out`, unless the tree was not rebuilt since the last time.
-fn install_modules(dir: &Path, release: &str, out: &Path, log: &Path) -> anyhow::Result<PathBuf> {
+/// `make modules_install` of the built tree `dir` into `out` (a directory of its own: it is
+/// emptied first), unless the tree was not rebuilt since the last time.
+pub(super) fn install_modules(
+    dir: &Path,
+    release: &str,
+    out: &Path,
+    log: &Path,
+) -> anyhow::Result<PathBuf> {
     let candidates = [
         out.join("lib/modules").join(release),
         out.join("usr/lib/modules").join(release),
@@ -85,9 +91,9 @@ fn install_modules(dir: &Path, release: &str, out: &Path, log: &Path) -> anyhow:
     }
     remove_dir_all_if_exists(out)?;
     fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-    fs::write(
+    append_log(
         log,
-        format!("installing the modules of {}\n", dir.display()),
+        &format!("installing the modules of {}\n", dir.display()),
     )?;
     host::ensure(host::UNPACK, log)?;
     eprintln!(
