@@ -63,6 +63,9 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
             only: Vec::new(),
             no_suite: false,
             iommu: false,
+            append: String::new(),
+            gpu_bytes: fgds_tests::pattern::GPU_MEMORY_BYTES,
+            programs: Vec::new(),
         };
         outcomes.extend(or_failure(
             &format!("{kernel}::run"),

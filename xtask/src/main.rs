@@ -4,6 +4,7 @@
 //!   boot a kernel in QEMU, run the suite, report one line per test.
 //! - `cargo xtask ci`: what CI runs (formatting, clippy, host tests, driver checks, test-vm).
 
+mod bench;
 mod ci;
 mod driver;
 mod guest;
@@ -34,6 +35,8 @@ enum Command {
     TestVm(vm::Options),
     /// What CI runs: fmt, clippy, host tests, driver checks, then test-vm on the CI kernels.
     Ci(ci::Options),
+    /// Benchmark ram, direct, bounce and p2pmem I/O in the guest: JSON, a ratio table, plots.
+    Bench(bench::Options),
     /// The suite on several kernels, then a table: passed, failed, skipped, driver mode, time.
     Matrix(matrix::Options),
     /// Run checkpatch.pl --strict and sparse over driver/.
@@ -50,6 +53,7 @@ fn main() -> std::process::ExitCode {
         Command::RigSelftest(opts) => selftest::rig_selftest(&opts),
         Command::CheckDriver(opts) => ci::check_driver(&opts),
         Command::Matrix(opts) => matrix::matrix(&opts),
+        Command::Bench(opts) => bench::bench(&opts),
     };
     match res {
         Ok(code) => code,

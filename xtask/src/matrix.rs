@@ -53,6 +53,9 @@ pub fn matrix(opts: &Options) -> anyhow::Result<ExitCode> {
             only: Vec::new(),
             no_suite: false,
             iommu: false,
+            append: String::new(),
+            gpu_bytes: fgds_tests::pattern::GPU_MEMORY_BYTES,
+            programs: Vec::new(),
         };
         match vm::run_kernel(&vm_opts) {
             Ok(run) => {

@@ -47,6 +47,9 @@ pub fn run(kernel: &str) -> anyhow::Result<Vec<Outcome>> {
         only: Vec::new(),
         no_suite: true,
         iommu: false,
+        append: String::new(),
+        gpu_bytes: fgds_tests::pattern::GPU_MEMORY_BYTES,
+        programs: Vec::new(),
     };
     let endings = vm::run_kernel(&vm::Options {
         exec: programs[..3].to_vec(),

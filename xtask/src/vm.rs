@@ -37,6 +37,15 @@ pub struct Options {
     /// Run only the suite's programs whose names contain this (repeatable; --exec ones always run).
     #[arg(long = "only", value_name = "NAME")]
     pub only: Vec<String>,
+    /// Extra kernel parameters (`fgds.<name>=<value>` reaches tests as `FGDS_<NAME>`).
+    #[arg(long, default_value = "")]
+    pub append: String,
+    /// Bytes of GPU memory (the ivshmem BAR; a power of two).
+    #[arg(long, default_value_t = pattern::GPU_MEMORY_BYTES)]
+    pub gpu_bytes: u64,
+    /// Run these programs of tests/ (name and timeout) instead of the suite.
+    #[arg(skip)]
+    pub programs: Vec<(String, u64)>,
     /// A translating vIOMMU (intel-iommu); devices on separate root ports, P2P through the
     /// host bridge.
     #[arg(long)]
@@ -75,6 +84,8 @@ pub struct KernelRun {
     /// From the start of the fetch to the verdicts.
     pub took: Duration,
     pub outcomes: Vec<Outcome>,
+    /// Where the run's artifacts are.
+    pub run_dir: PathBuf,
 }
 
 pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
@@ -121,6 +132,20 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     if opts.no_suite {
         suite.clear();
     }
+    if !opts.programs.is_empty() {
+        suite = opts
+            .programs
+            .iter()
+            .map(|(name, timeout_secs)| guest::SuiteEntry {
+                name: name.clone(),
+                path: bin_dir.join(name),
+                timeout_secs: *timeout_secs,
+            })
+            .collect();
+    }
+    if !opts.gpu_bytes.is_power_of_two() {
+        bail!("--gpu-bytes {}: QEMU needs a power of two", opts.gpu_bytes);
+    }
     let build = phases.run("build", || {
         let build = driver::build(&kernel, &run_dir)?;
         guest::build_binaries(&suite.iter().map(|e| e.name.as_str()).collect::<Vec<_>>())?;
@@ -146,7 +171,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         let plan = guest::make_initramfs(&kernel, &cache, &bin_dir, &rig, &suite, &initrd)?;
         std::fs::write(run_dir.join("plan.txt"), plan)?;
         disk::write_nvme_image(&nvme_image)?;
-        disk::write_gpu_backing(&gpu_backing, pattern::GPU_MEMORY_BYTES)?;
+        disk::write_gpu_backing(&gpu_backing, opts.gpu_bytes)?;
         disk::write_ext4_image(&run_dir.join("ext4.img"), disk::SMALL_DRIVE_BYTES)?;
         disk::write_gpu_backing(&run_dir.join("nvme2.img"), disk::SMALL_DRIVE_BYTES)?;
         Ok(())
@@ -155,7 +180,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     let config = machine::Config {
         kernel: kernel.vmlinuz.clone(),
         initrd,
-        cmdline: String::new(),
+        cmdline: opts.append.clone(),
         accel: match opts.accel {
             AccelArg::Tcg => Accel::Tcg,
             AccelArg::Kvm => Accel::Kvm,
@@ -164,7 +189,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         memory_mib: 2048,
         nvme_image,
         gpu_backing: gpu_backing.clone(),
-        gpu_bytes: pattern::GPU_MEMORY_BYTES,
+        gpu_bytes: opts.gpu_bytes,
         nvme_errors: nvme_errors(),
         iommu: opts.iommu,
         ext4_image: run_dir.join("ext4.img"),
@@ -220,6 +245,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         reports,
         took: started.elapsed(),
         outcomes,
+        run_dir: run_dir.clone(),
     })
 }
 

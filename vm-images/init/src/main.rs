@@ -12,7 +12,8 @@
 //!
 //! Tests get the rig's drives in their environment: `FGDS_NVME` (the raw drive: the pattern,
 //! then scratch), `FGDS_EXT4` (where an ext4 filesystem on a second namespace is mounted) and
-//! `FGDS_NVME2` (a second drive, on its own hot-pluggable slot).
+//! `FGDS_NVME2` (a second drive, on its own hot-pluggable slot); a kernel parameter
+//! `fgds.<name>=<value>` becomes `FGDS_<NAME>=<value>`.
 
 use std::ffi::CString;
 use std::fs::{self, File, OpenOptions};
@@ -328,6 +329,9 @@ fn run_test(ktap: &mut File, number: usize, test: &Test, drives: &Drives) -> any
     if drives.ext4.is_some() {
         command.env("FGDS_EXT4", EXT4_MOUNT);
     }
+    for (var, value) in cmdline_env() {
+        command.env(var, value);
+    }
     let child = command
         .env("PATH", "/bin:/tests:/exec")
         .stdin(Stdio::null())
@@ -452,6 +456,16 @@ fn console(msg: &str) {
     {
         let _ = console.write_all(format!("{msg}\n").as_bytes());
     }
+}
+
+/// Kernel parameters `fgds.<name>=<value>`, as environment variables `FGDS_<NAME>` for tests.
+fn cmdline_env() -> Vec<(String, String)> {
+    let cmdline = fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    cmdline
+        .split_whitespace()
+        .filter_map(|word| word.strip_prefix("fgds.")?.split_once('='))
+        .map(|(name, value)| (format!("FGDS_{}", name.to_uppercase()), value.to_owned()))
+        .collect()
 }
 
 fn kernel_release() -> String {

@@ -93,7 +93,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         bail!("block size, queue depth, threads and repeat must be non-zero");
     }
     let file = fgds::open_direct(&file_path, write)?;
-    let region = opts.block_size * opts.queue_depth;
+    let region = region_len(opts);
     let buffer_len = region * opts.threads;
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
         .unwrap_or_default()
@@ -312,6 +312,21 @@ fn p2pmem(opts: &Options, len: usize) -> anyhow::Result<Anon> {
     })
 }
 
+/// Most memory a thread's requests cycle through: deep queues of large blocks share slots (a
+/// benchmark does not care what the data is), so that they fit a GPU's BAR.
+const MAX_REGION: usize = 128 << 20;
+
+/// Bytes of target memory per thread: one slot per request in flight, up to [`MAX_REGION`].
+fn region_len(opts: &Options) -> usize {
+    let bs = opts.block_size;
+    (bs * opts.queue_depth).min(MAX_REGION.max(bs)) / bs * bs
+}
+
+/// Where slot `slot` lies in a thread's region.
+fn slot_offset(slot: usize, bs: usize, region: usize) -> usize {
+    (slot * bs) % region
+}
+
 /// Busy CPU time of the whole machine so far (all CPUs, /proc/stat), in seconds.
 fn machine_cpu_secs() -> f64 {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
@@ -332,7 +347,7 @@ fn machine_cpu_secs() -> f64 {
 }
 
 fn run_once(target: &Target, file: &File, opts: &Options, write: bool) -> anyhow::Result<Sample> {
-    let region = opts.block_size * opts.queue_depth;
+    let region = region_len(opts);
     let per_thread = opts.total / opts.threads as u64;
     let cpu0 = machine_cpu_secs();
     let started = Instant::now();
@@ -390,6 +405,7 @@ fn thread_io(
     thread: u64,
 ) -> anyhow::Result<Vec<Duration>> {
     let bs = opts.block_size;
+    let region = region_len(opts);
     let n_requests = bytes.div_ceil(bs as u64);
     let mut ring = IoUring::new(opts.queue_depth.next_power_of_two() as u32)?;
     let mut issued_at = vec![Instant::now(); opts.queue_depth];
@@ -399,11 +415,11 @@ fn thread_io(
     let fd = types::Fd(file.as_raw_fd());
     let span_blocks = (opts.span / bs as u64).max(1);
     let submit = |ring: &mut IoUring, slot: usize, request: u64| -> anyhow::Result<()> {
-        let ptr = (base + slot * bs) as *mut u8;
+        let ptr = (base + slot_offset(slot, bs, region)) as *mut u8;
         let block = (request * opts.threads as u64 + thread) % span_blocks;
         let off = opts.file_offset + block * bs as u64;
         if write && let Target::Bounce { ram, gpu, .. } = target {
-            let at = region_offset + slot * bs;
+            let at = region_offset + slot_offset(slot, bs, region);
             // SAFETY: `at..at+bs` is inside both mappings (same length), and this
             // thread's slot is not in flight.
             let dst = unsafe { std::slice::from_raw_parts_mut(ram.ptr.add(at), bs) };
@@ -448,7 +464,7 @@ fn thread_io(
                 bail!("request failed: {what}");
             }
             if !write && let Target::Bounce { ram, gpu, .. } = target {
-                let at = region_offset + slot * bs;
+                let at = region_offset + slot_offset(slot, bs, region);
                 // SAFETY: as above; the request into this slot has completed.
                 let src = unsafe { std::slice::from_raw_parts(ram.ptr.add(at), bs) };
                 gpu.write(at, src);

@@ -1,0 +1,289 @@
+//! `cargo xtask bench`: boots the rig with a 1 GiB GPU, runs the benchmark grid in the guest
+//! (tests/src/bin/bench_suite.rs over `fgds bench`), and writes what it measured:
+//! `target/bench/<kernel>.json`, a table of each mode's throughput as a ratio of `ram`, and
+//! throughput-against-block-size plots (PNG and SVG), one line per mode.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use plotters::prelude::*;
+use serde_json::Value;
+
+use crate::{host, vm};
+
+/// The guest program, and how long it may run.
+const PROGRAM: &str = "bench_suite";
+const FULL_TIMEOUT_SECS: u64 = 3 * 3600;
+const QUICK_TIMEOUT_SECS: u64 = 1800;
+/// 1 GiB of GPU memory, for the registration-cost measurement.
+const GPU_BYTES: u64 = 1 << 30;
+const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
+
+#[derive(clap::Args)]
+pub struct Options {
+    /// The kernel to measure.
+    #[arg(long, default_value = "debian:6.12")]
+    pub kernel: String,
+    /// A small grid (three block sizes, queue depths 1 and 32, two repetitions).
+    #[arg(long)]
+    pub quick: bool,
+    /// The vgpu exporter's mode.
+    #[arg(long, default_value = "plain")]
+    pub vgpu_mode: String,
+}
+
+pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
+    host::ensure_packages(&["fonts-dejavu-core"])?;
+    let timeout = if opts.quick {
+        QUICK_TIMEOUT_SECS
+    } else {
+        FULL_TIMEOUT_SECS
+    };
+    let run = vm::run_kernel(&vm::Options {
+        kernel: opts.kernel.clone(),
+        accel: vm::AccelArg::Tcg,
+        exec: Vec::new(),
+        vgpu_mode: opts.vgpu_mode.clone(),
+        only: Vec::new(),
+        no_suite: false,
+        iommu: false,
+        append: if opts.quick {
+            "fgds.bench=quick".to_owned()
+        } else {
+            String::new()
+        },
+        gpu_bytes: GPU_BYTES,
+        programs: vec![(PROGRAM.to_owned(), timeout)],
+    })?;
+    let ktap = std::fs::read_to_string(run.run_dir.join("ktap.log"))
+        .context("the run left no KTAP log")?;
+    let mut rows = Vec::new();
+    let mut registration = None;
+    for line in ktap.lines() {
+        let Some(json) = line.split("fgds-bench: ").nth(1) else {
+            continue;
+        };
+        let mut row: Value =
+            serde_json::from_str(json).with_context(|| format!("bad bench line {json:?}"))?;
+        row["kernel"] = Value::from(run.spec.clone());
+        row["release"] = Value::from(run.release.clone());
+        if row["kind"] == "registration" {
+            registration = Some(row);
+        } else {
+            rows.push(row);
+        }
+    }
+    let failed = run
+        .outcomes
+        .iter()
+        .any(|o| matches!(o.verdict, crate::report::Verdict::Fail(_)));
+    if rows.is_empty() {
+        crate::report::print(run.outcomes);
+        bail!("the guest measured nothing (see {})", run.run_dir.display());
+    }
+    let out_dir = crate::project_root().join("target/bench");
+    std::fs::create_dir_all(&out_dir)?;
+    let label = run.spec.replace(':', "-");
+    let mut all = rows.clone();
+    all.extend(registration.clone());
+    std::fs::write(
+        out_dir.join(format!("{label}.json")),
+        serde_json::to_string_pretty(&all)?,
+    )?;
+    print_table(&rows);
+    if let Some(reg) = &registration {
+        println!(
+            "registration: REG + mmap of 1 GiB {:.4} s, reading 1 GiB {:.2} s: {:.2}% of the read",
+            reg["reg_map_s"].as_f64().unwrap_or(0.0),
+            reg["read_1gib_s"].as_f64().unwrap_or(0.0),
+            100.0 * reg["reg_map_fraction_of_read"].as_f64().unwrap_or(0.0)
+        );
+    }
+    let plots = plot(&rows, &out_dir, &label)?;
+    println!(
+        "wrote {} and {} plots in {}",
+        format_args!("{label}.json"),
+        plots,
+        out_dir.display()
+    );
+    if failed {
+        crate::report::print(run.outcomes);
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Rows grouped by (op, queue depth, block size), mode -> row.
+type Grid<'a> = BTreeMap<(String, u64, u64), BTreeMap<String, &'a Value>>;
+
+fn grid(rows: &[Value]) -> Grid<'_> {
+    let mut grid = Grid::new();
+    for row in rows.iter().filter(|r| r["mib_s"].is_number()) {
+        let key = (
+            row["op"].as_str().unwrap_or("").to_owned(),
+            row["queue_depth"].as_u64().unwrap_or(0),
+            row["block_size"].as_u64().unwrap_or(0),
+        );
+        grid.entry(key)
+            .or_default()
+            .insert(row["mode"].as_str().unwrap_or("").to_owned(), row);
+    }
+    grid
+}
+
+fn print_table(rows: &[Value]) {
+    println!(
+        "{:<6} {:>4} {:>9} | {:>9} {:>7} {:>7} {:>7} | {:>8} {:>8}",
+        "op", "qd", "block", "ram MiB/s", "direct", "bounce", "p2pmem", "CPU dir", "CPU ram"
+    );
+    for ((op, qd, bs), modes) in grid(rows) {
+        let ram = modes.get("ram").and_then(|r| r["mib_s"].as_f64());
+        let ratio = |m: &str| match (modes.get(m).and_then(|r| r["mib_s"].as_f64()), ram) {
+            (Some(v), Some(r)) if r > 0.0 => format!("{:.2}", v / r),
+            _ => "-".to_owned(),
+        };
+        let cpu = |m: &str| {
+            modes
+                .get(m)
+                .and_then(|r| r["cpu_s_per_gib"].as_f64())
+                .map_or("-".to_owned(), |c| format!("{c:.2}"))
+        };
+        println!(
+            "{:<6} {:>4} {:>9} | {:>9.1} {:>7} {:>7} {:>7} | {:>8} {:>8}",
+            op,
+            qd,
+            human(bs),
+            ram.unwrap_or(0.0),
+            ratio("direct"),
+            ratio("bounce"),
+            ratio("p2pmem"),
+            cpu("direct"),
+            cpu("ram")
+        );
+    }
+    println!(
+        "(direct, bounce, p2pmem: throughput as a ratio of ram in the same run; CPU: guest CPU s per GiB)"
+    );
+}
+
+fn human(bytes: u64) -> String {
+    if bytes >= 1 << 20 {
+        format!("{}M", bytes >> 20)
+    } else {
+        format!("{}K", bytes >> 10)
+    }
+}
+
+/// A plot's lines: mode -> (block size, MiB/s) points.
+type Lines = BTreeMap<String, Vec<(u64, f64)>>;
+
+/// One plot per (op, queue depth): MiB/s against block size (log scale), a line per mode.
+/// Returns how many files it wrote.
+fn plot(rows: &[Value], out_dir: &Path, label: &str) -> anyhow::Result<usize> {
+    let font = std::fs::read(FONT).with_context(|| format!("cannot read the plot font {FONT}"))?;
+    // The font must outlive every drawing: leak the one copy.
+    let font: &'static [u8] = Box::leak(font.into_boxed_slice());
+    plotters::style::register_font("sans-serif", FontStyle::Normal, font)
+        .map_err(|_| anyhow::format_err!("cannot load {FONT}"))?;
+    let mut series: BTreeMap<(String, u64), Lines> = BTreeMap::new();
+    for ((op, qd, bs), modes) in grid(rows) {
+        for (mode, row) in modes {
+            let value = row["mib_s"].as_f64().unwrap_or(0.0);
+            series
+                .entry((op.clone(), qd))
+                .or_default()
+                .entry(mode)
+                .or_default()
+                .push((bs, value));
+        }
+    }
+    let mut written = 0;
+    for ((op, qd), modes) in &series {
+        let stem = out_dir.join(format!("{label}-{op}-qd{qd}"));
+        let title = format!("{label}: {op}, queue depth {qd}");
+        let png = stem.with_extension("png");
+        draw(
+            BitMapBackend::new(&png, (900, 560)).into_drawing_area(),
+            &title,
+            modes,
+        )?;
+        let svg = stem.with_extension("svg");
+        draw(
+            SVGBackend::new(&svg, (900, 560)).into_drawing_area(),
+            &title,
+            modes,
+        )?;
+        written += 2;
+    }
+    Ok(written)
+}
+
+fn draw<DB: DrawingBackend>(
+    area: DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    modes: &Lines,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    area.fill(&WHITE)
+        .map_err(|e| anyhow::format_err!("{e:?}"))?;
+    let xs = modes
+        .values()
+        .flatten()
+        .map(|(x, _)| *x)
+        .collect::<Vec<_>>();
+    let (x_min, x_max) = (
+        xs.iter().min().copied().unwrap_or(4096),
+        xs.iter().max().copied().unwrap_or(1 << 26),
+    );
+    let y_max = modes
+        .values()
+        .flatten()
+        .map(|(_, y)| *y)
+        .fold(1.0, f64::max)
+        * 1.15;
+    let mut chart = ChartBuilder::on(&area)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d((x_min as f64..x_max as f64).log_scale(), 0.0..y_max)
+        .map_err(|e| anyhow::format_err!("{e:?}"))?;
+    chart
+        .configure_mesh()
+        .x_desc("block size")
+        .y_desc("MiB/s")
+        .x_label_formatter(&|x| human(*x as u64))
+        .draw()
+        .map_err(|e| anyhow::format_err!("{e:?}"))?;
+    let colors = [&BLUE, &RED, &GREEN, &MAGENTA];
+    for (i, (mode, points)) in modes.iter().enumerate() {
+        let color = colors[i % colors.len()];
+        let mut pts = points
+            .iter()
+            .map(|(x, y)| (*x as f64, *y))
+            .collect::<Vec<_>>();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+            .map_err(|e| anyhow::format_err!("{e:?}"))?
+            .label(mode.as_str())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+        chart
+            .draw_series(pts.iter().map(|p| Circle::new(*p, 3, color.filled())))
+            .map_err(|e| anyhow::format_err!("{e:?}"))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| anyhow::format_err!("{e:?}"))?;
+    area.present().map_err(|e| anyhow::format_err!("{e:?}"))?;
+    Ok(())
+}
