@@ -414,14 +414,15 @@ static struct fgds_buf *fgds_buf_create(struct fgds_file *f,
 		goto err;
 	}
 
+	/* First what the exporter hands out, so memory not in the BAR gets EINVAL. */
+	ret = fgds_buf_import(buf, arg->dmabuf_offset);
+	if (ret)
+		goto err;
 	gen = fgds_gpu_prepare(gpu);
 	if (gen < 0) {
 		ret = gen;
 		goto err;
 	}
-	ret = fgds_buf_import(buf, arg->dmabuf_offset);
-	if (ret)
-		goto err;
 	ret = fgds_buf_publish(buf, gen);
 	if (ret)
 		goto err;

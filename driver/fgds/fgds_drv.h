@@ -50,6 +50,7 @@ enum fgds_mode {
  * @lock: protects the fields below it
  * @dead: the GPU is being removed; nothing new may start
  * @mode: current page provider
+ * @refused: why the provider was refused (-EOPNOTSUPP, -EBUSY), until unbind
  * @gen: provider generation, bumped at each teardown
  * @bufs: live (not yet released) registrations on this GPU
  * @nr_bufs: registrations counted in sysfs "buffers"
@@ -80,6 +81,7 @@ struct fgds_gpu {
 	struct mutex lock; /* see the kernel-doc above */
 	bool dead;
 	enum fgds_mode mode;
+	int refused;
 	unsigned long gen;
 	struct list_head bufs;
 	unsigned long nr_bufs;

@@ -279,16 +279,19 @@ err_wc:
  *
  * Return: 0 when struct pages exist over the BAR and fgds may map them,
  * -ENODEV without a bound driver, else the reason the provider was refused
- * (also logged).
+ * (logged; -EOPNOTSUPP and -EBUSY are remembered until the driver unbinds,
+ * and sysfs "mode" then reads "refused").
  */
 int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 {
-	enum fgds_mode mode;
+	enum fgds_mode mode = FGDS_MODE_NONE;
 	int type, ret;
 
 	lockdep_assert_held(&gpu->lock);
 	if (gpu->mode != FGDS_MODE_NONE)
 		return 0;
+	if (gpu->refused)
+		return gpu->refused;
 	if (!gpu->pdev->dev.driver) {
 		pci_info(gpu->pdev, "fgds: no driver bound to the GPU; bind its driver first\n");
 		return -ENODEV;
@@ -302,7 +305,7 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 		pci_err(gpu->pdev,
 			"fgds: BAR %d already has struct pages of type %d from another driver; unload it\n",
 			gpu->bar, type);
-		return -EBUSY;
+		ret = -EBUSY;
 	} else if (IS_ENABLED(CONFIG_PCI_P2PDMA)) {
 		mode = FGDS_MODE_P2PDMA;
 		ret = fgds_setup_p2pdma(gpu);
@@ -310,10 +313,13 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 		mode = FGDS_MODE_GENERIC;
 		ret = fgds_setup_generic(gpu);
 	}
+	/* A refusal (logged once) stands until the GPU's driver unbinds. */
+	if (ret == -EOPNOTSUPP || ret == -EBUSY)
+		WRITE_ONCE(gpu->refused, ret);
 	if (ret)
 		return ret;
 
-	gpu->mode = mode;
+	WRITE_ONCE(gpu->mode, mode);
 	pci_info(gpu->pdev, "fgds: %s pages over BAR %d (%pa bytes)\n",
 		 fgds_mode_name(mode), gpu->bar, &gpu->bar_len);
 	return 0;
@@ -627,6 +633,7 @@ static bool fgds_wait_unheld(struct fgds_gpu *gpu)
 void fgds_gpu_teardown_pages(struct fgds_gpu *gpu)
 {
 	lockdep_assert_held(&gpu->lock);
+	WRITE_ONCE(gpu->refused, 0);
 	if (gpu->mode == FGDS_MODE_NONE)
 		return;
 
@@ -638,7 +645,7 @@ void fgds_gpu_teardown_pages(struct fgds_gpu *gpu)
 			fgds_revoke_timeout_ms);
 		gpu->pgmap = NULL;
 		gpu->memtype_wc = false;
-		gpu->mode = FGDS_MODE_NONE;
+		WRITE_ONCE(gpu->mode, FGDS_MODE_NONE);
 		return;
 	}
 
@@ -657,7 +664,7 @@ void fgds_gpu_teardown_pages(struct fgds_gpu *gpu)
 	}
 	pci_info(gpu->pdev, "fgds: %s pages released\n",
 		 fgds_mode_name(gpu->mode));
-	gpu->mode = FGDS_MODE_NONE;
+	WRITE_ONCE(gpu->mode, FGDS_MODE_NONE);
 }
 
 static ssize_t bar_size_show(struct device *dev, struct device_attribute *attr,
@@ -674,7 +681,9 @@ static ssize_t mode_show(struct device *dev, struct device_attribute *attr,
 {
 	struct fgds_gpu *gpu = dev_get_drvdata(dev);
 
-	return sysfs_emit(buf, "%s\n", fgds_mode_name(READ_ONCE(gpu->mode)));
+	/* Unlocked: teardown holds gpu->lock while it waits for I/O. */
+	return sysfs_emit(buf, "%s\n", READ_ONCE(gpu->refused) ? "refused" :
+			  fgds_mode_name(READ_ONCE(gpu->mode)));
 }
 static DEVICE_ATTR_RO(mode);
 
