@@ -311,3 +311,71 @@ pub fn touch_in_child(ptr: *mut u8) -> anyhow::Result<i32> {
         0
     })
 }
+
+/// Whether the GPU's DMA is translated by an IOMMU (its group's domain type is DMA or DMA-FQ).
+pub fn gpu_dma_translated() -> anyhow::Result<bool> {
+    let bdf = vgpu_bdf()?;
+    let ty = std::fs::read_to_string(format!("/sys/bus/pci/devices/{bdf}/iommu_group/type"))
+        .unwrap_or_default();
+    Ok(ty.trim().starts_with("DMA"))
+}
+
+/// Registers one page once: None if fgds accepts this setup, else why it refuses it (REG fails
+/// with EOPNOTSUPP and sysfs `mode` reads `refused`, as designed for GENERIC pages under a
+/// translating IOMMU).
+pub fn refusal() -> anyhow::Result<Option<String>> {
+    let node = open_node()?;
+    let vgpu = vgpu()?;
+    let (dmabuf, _) = alloc(&vgpu, PAGE)?;
+    match reg(&node, dmabuf.as_fd(), 0, PAGE) {
+        Ok(idx) => {
+            unreg(&node, idx)?;
+            Ok(None)
+        }
+        Err(Errno::OPNOTSUPP) if sysfs("mode")? == "refused" => Ok(Some(format!(
+            "fgds refuses this setup as designed (mode refused{}), see the kernel log",
+            if gpu_dma_translated()? {
+                ": GENERIC pages under a translating IOMMU"
+            } else {
+                ""
+            }
+        ))),
+        Err(e) => anyhow::bail!("probe REG_BUFFER failed: {e}"),
+    }
+}
+
+static REFUSAL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+fn skip_refused() -> fgds_tests::ktap::CaseResult {
+    fgds_tests::ktap::skip(
+        REFUSAL
+            .get()
+            .map_or("fgds refuses this setup", String::as_str),
+    )
+}
+
+/// Runs `cases`, or skips every one of them when fgds refuses this setup.
+pub fn run_unless_refused(cases: &[fgds_tests::ktap::Case]) -> ! {
+    run_refusing(cases, &[])
+}
+
+/// Runs `cases`; when fgds refuses this setup, those not named in `without_reg` (the cases
+/// that need no successful registration) are skipped.
+pub fn run_refusing(cases: &[fgds_tests::ktap::Case], without_reg: &[&str]) -> ! {
+    if let Ok(Some(reason)) = refusal() {
+        let _ = REFUSAL.set(reason);
+        let cases = cases
+            .iter()
+            .map(|c| fgds_tests::ktap::Case {
+                name: c.name,
+                run: if without_reg.contains(&c.name) {
+                    c.run
+                } else {
+                    skip_refused
+                },
+            })
+            .collect::<Vec<_>>();
+        fgds_tests::ktap::run(&cases)
+    }
+    fgds_tests::ktap::run(cases)
+}

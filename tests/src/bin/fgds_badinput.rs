@@ -13,44 +13,57 @@ use fgds_tests::ktap::{self, Case, CaseResult};
 use rustix::io::Errno;
 
 fn main() {
-    ktap::run(&[
-        Case {
-            name: "reg_bad_arguments",
-            run: reg_bad_arguments,
-        },
-        Case {
-            name: "reg_closed_fd_ebadf",
-            run: reg_closed_fd,
-        },
-        Case {
-            name: "reg_not_a_dmabuf_einval",
-            run: reg_not_a_dmabuf,
-        },
-        Case {
-            name: "reg_udmabuf_einval",
-            run: reg_udmabuf,
-        },
-        Case {
-            name: "unreg_bad_arguments",
-            run: unreg_bad_arguments,
-        },
-        Case {
-            name: "mmap_bad_arguments",
-            run: mmap_bad_arguments,
-        },
-        Case {
-            name: "unknown_ioctl_enotty",
-            run: unknown_ioctl,
-        },
-        Case {
-            name: "limit_buffers_per_file_emfile",
-            run: limit_per_file,
-        },
-        Case {
-            name: "limit_bytes_per_gpu_enospc",
-            run: limit_per_gpu,
-        },
-    ])
+    common::run_refusing(
+        &[
+            Case {
+                name: "reg_bad_arguments",
+                run: reg_bad_arguments,
+            },
+            Case {
+                name: "reg_closed_fd_ebadf",
+                run: reg_closed_fd,
+            },
+            Case {
+                name: "reg_not_a_dmabuf_einval",
+                run: reg_not_a_dmabuf,
+            },
+            Case {
+                name: "reg_udmabuf_einval",
+                run: reg_udmabuf,
+            },
+            Case {
+                name: "unreg_bad_arguments",
+                run: unreg_bad_arguments,
+            },
+            Case {
+                name: "mmap_bad_arguments",
+                run: mmap_bad_arguments,
+            },
+            Case {
+                name: "unknown_ioctl_enotty",
+                run: unknown_ioctl,
+            },
+            Case {
+                name: "limit_buffers_per_file_emfile",
+                run: limit_per_file,
+            },
+            Case {
+                name: "limit_bytes_per_gpu_enospc",
+                run: limit_per_gpu,
+            },
+            Case {
+                name: "unsafe_setup_refused",
+                run: unsafe_setup_refused,
+            },
+        ],
+        &[
+            "reg_closed_fd_ebadf",
+            "reg_not_a_dmabuf_einval",
+            "reg_udmabuf_einval",
+            "unknown_ioctl_enotty",
+            "unsafe_setup_refused",
+        ],
+    )
 }
 
 fn expect(what: &str, got: Result<u64, Errno>, want: Errno) -> anyhow::Result<()> {
@@ -397,5 +410,31 @@ fn limit_per_gpu() -> CaseResult {
     common::reg(&node, dmabuf.as_fd(), 0, MIB).context("REG up to the limit")?;
     common::unreg(&node, a)?;
     common::reg(&node, dmabuf.as_fd(), 0, 2 * MIB).context("REG after UNREG")?;
+    ktap::pass()
+}
+
+/// Under a translating IOMMU fgds must not hand out GENERIC pages: it either uses P2PDMA pages
+/// (IOMMU-aware) or refuses with EOPNOTSUPP and sysfs mode "refused".
+fn unsafe_setup_refused() -> CaseResult {
+    if !common::gpu_dma_translated()? {
+        return ktap::skip("the GPU's DMA is not translated by an IOMMU in this run");
+    }
+    let mode = common::sysfs("mode")?;
+    match common::refusal()? {
+        Some(reason) => {
+            ensure!(
+                common::sysfs("mode")? == "refused",
+                "refused, but mode reads {mode}"
+            );
+            ktap::diag(format_args!("fgds-report: fgds mode=refused ({reason})"));
+        }
+        None => {
+            let mode = common::sysfs("mode")?;
+            ensure!(
+                mode == "p2pdma" || mode == "exporter-p2pdma",
+                "fgds accepted GENERIC-style pages under a translating IOMMU (mode {mode})"
+            );
+        }
+    }
     ktap::pass()
 }

@@ -18,7 +18,7 @@ use fgds_tests::pattern;
 const SCRATCH: u64 = 128 * MIB;
 
 fn main() {
-    ktap::run(&[
+    common::run_unless_refused(&[
         Case {
             name: "mode_reported",
             run: mode_reported,

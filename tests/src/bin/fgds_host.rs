@@ -23,7 +23,7 @@ use rustix::io::Errno;
 const SCRATCH: u64 = 192 * MIB;
 
 fn main() {
-    ktap::run(&[
+    common::run_unless_refused(&[
         Case {
             name: "host_sees_nvme_data_in_gpu_memory",
             run: host_sees_data,

@@ -16,7 +16,7 @@ use fgds_tests::ktap::{self, Case, CaseResult};
 use rustix::io::Errno;
 
 fn main() {
-    ktap::run(&[
+    common::run_unless_refused(&[
         Case {
             name: "unplug_with_live_mapping",
             run: unplug_with_live_mapping,

@@ -16,7 +16,7 @@ use rustix::io::Errno;
 const SIGBUS_STATUS: i32 = 128 + libc::SIGBUS;
 
 fn main() {
-    ktap::run(&[
+    common::run_unless_refused(&[
         Case {
             name: "unreg_with_live_mapping",
             run: unreg_with_live_mapping,
