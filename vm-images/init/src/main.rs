@@ -249,15 +249,18 @@ fn find_drives() -> Drives {
             let Some(rest) = name.strip_prefix("nvme") else {
                 continue;
             };
-            let Some((_, nsid)) = rest.split_once('n') else {
-                continue;
-            };
             if rest.contains('c') || rest.contains('p') {
                 continue; // A path of a multipath namespace, or a partition.
             }
-            let serial = fs::read_to_string(entry.path().join("device/serial")).unwrap_or_default();
+            // The number after `n` in the name is an instance, not the namespace id: namespaces
+            // are scanned in parallel, so read the id.
+            let read = |attr: &str| {
+                let text = fs::read_to_string(entry.path().join(attr)).unwrap_or_default();
+                text.trim().to_owned()
+            };
+            let (serial, nsid) = (read("device/serial"), read("nsid"));
             let dev = format!("/dev/{name}");
-            match (serial.trim(), nsid) {
+            match (serial.as_str(), nsid.as_str()) {
                 ("fgds0", "1") => drives.nvme = Some(dev),
                 ("fgds0", "2") => drives.ext4 = Some(dev),
                 ("fgds1", "1") => drives.nvme2 = Some(dev),
