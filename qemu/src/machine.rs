@@ -7,6 +7,7 @@
 //! after the run what the guest wrote into it.
 
 use std::fs::File;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -332,11 +333,24 @@ pub fn start(config: &Config) -> anyhow::Result<Machine> {
         .with_context(|| format!("cannot create {}", files.qemu_log.display()))?;
     let args = args(config);
     std::fs::write(config.run_dir.join("qemu.cmdline"), shell_words(&args))?;
-    let child = Command::new("qemu-system-x86_64")
+    let mut command = Command::new("qemu-system-x86_64");
+    command
         .args(&args)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
-        .stderr(log)
+        .stderr(log);
+    // SAFETY: the closure runs in the child between fork and exec and only calls prctl(2),
+    // which is async-signal-safe; it allocates nothing and takes no lock.
+    unsafe {
+        command.pre_exec(|| {
+            // QEMU dies with the rig: a killed `cargo xtask` leaves no machine holding the images.
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    };
+    let child = command
         .spawn()
         .context("cannot start qemu-system-x86_64: is the qemu-system-x86 package installed?")?;
     let qmp = crate::qmp::connect(&files.qmp, Duration::from_secs(10)).ok();
