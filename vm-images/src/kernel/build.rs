@@ -6,6 +6,7 @@
 //! kernels/build-<series>[-debug]-<key>/
 //!     build/              the O= build tree: kdir for module builds, bzImage, .config
 //!     modules/lib/modules/<release>/   `make modules_install` (modules.builtin, modules.dep)
+//!                         (usr/lib/modules where kbuild installs there)
 //!     .fgds-configured    the .config is merged and verified; a build may resume
 //!     .fgds-built         written last: the kernel is complete
 //! kernels/build-<series>[-debug]-<key>.log   every command and the full make output
@@ -150,10 +151,6 @@ impl Layout {
     fn config(&self) -> PathBuf {
         self.build.join(".config")
     }
-
-    fn modules_dir(&self, release: &str) -> PathBuf {
-        self.modules.join("lib/modules").join(release)
-    }
 }
 
 /// The kernel built earlier in `root`, if it is complete.
@@ -166,7 +163,11 @@ fn load_built(root: &Path, spec: &KernelSpec, version: &str) -> anyhow::Result<O
             .lines()
             .find_map(|it| it.strip_prefix(key)?.strip_prefix('='))
     };
-    let (Some(release), Some(version_built)) = (field("release"), field("package_version")) else {
+    let (Some(release), Some(version_built), Some(modules_dir)) = (
+        field("release"),
+        field("package_version"),
+        field("modules_dir"),
+    ) else {
         return Ok(None);
     };
     if version_built != version {
@@ -178,7 +179,7 @@ fn load_built(root: &Path, spec: &KernelSpec, version: &str) -> anyhow::Result<O
         release: release.to_owned(),
         package_version: version.to_owned(),
         vmlinuz: layout.vmlinuz(),
-        modules_dir: layout.modules_dir(release),
+        modules_dir: root.join(modules_dir),
         kdir: layout.build.clone(),
         make_vars: marker
             .lines()
@@ -402,13 +403,6 @@ impl Job<'_> {
         }
         let modules_dir =
             tree::install_modules(&layout.build, &release, &layout.modules, &self.log)?;
-        if modules_dir != layout.modules_dir(&release) {
-            bail!(
-                "make modules_install put the modules into {}, not {}",
-                modules_dir.display(),
-                layout.modules_dir(&release).display()
-            );
-        }
         let config_text = fs::read_to_string(layout.config())?;
         let make_vars = kbuild::make_vars(&layout.build, &config_text)?;
         let kernel = Kernel {
@@ -439,6 +433,11 @@ impl Job<'_> {
             self.key,
             took.as_secs()
         );
+        let modules_dir = kernel
+            .modules_dir
+            .strip_prefix(self.root)
+            .unwrap_or(&kernel.modules_dir);
+        marker.push_str(&format!("modules_dir={}\n", modules_dir.display()));
         for var in &kernel.make_vars {
             marker.push_str(&format!("make_var={var}\n"));
         }
