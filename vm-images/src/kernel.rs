@@ -279,7 +279,16 @@ fn append_log(log: &Path, text: &str) -> anyhow::Result<()> {
 /// An exclusive lock on a file, held until dropped; serializes concurrent preparations of the
 /// same cache entry (e.g. test threads or two `cargo xtask` runs).
 struct FileLock {
-    _file: fs::File,
+    file: fs::File,
+}
+
+impl FileLock {
+    /// The locked file. A child process given a copy of it (as its stdin, say) keeps the lock
+    /// held, with its own children, until they all exit: a build that outlives its parent is
+    /// not raced by the next one.
+    fn file(&self) -> &fs::File {
+        &self.file
+    }
 }
 
 fn lock_file(path: &Path) -> anyhow::Result<FileLock> {
@@ -294,7 +303,7 @@ fn lock_file(path: &Path) -> anyhow::Result<FileLock> {
         .with_context(|| format!("cannot open lock file {}", path.display()))?;
     rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive)
         .with_context(|| format!("cannot lock {}", path.display()))?;
-    Ok(FileLock { _file: file })
+    Ok(FileLock { file })
 }
 
 /// Like [`lock_file`], but says `waiting` on stderr first if another process holds the lock.
@@ -305,18 +314,19 @@ fn lock_file_announced(path: &Path, waiting: &str) -> anyhow::Result<FileLock> {
     let file = fs::OpenOptions::new()
         .create(true)
         .truncate(false)
+        .read(true)
         .write(true)
         .open(path)
         .with_context(|| format!("cannot open lock file {}", path.display()))?;
     use rustix::fs::{FlockOperation, flock};
     match flock(&file, FlockOperation::NonBlockingLockExclusive) {
-        Ok(()) => return Ok(FileLock { _file: file }),
+        Ok(()) => return Ok(FileLock { file }),
         Err(rustix::io::Errno::WOULDBLOCK) => eprintln!("{waiting} ..."),
         Err(e) => return Err(e).with_context(|| format!("cannot lock {}", path.display())),
     }
     flock(&file, FlockOperation::LockExclusive)
         .with_context(|| format!("cannot lock {}", path.display()))?;
-    Ok(FileLock { _file: file })
+    Ok(FileLock { file })
 }
 
 /// `path` with `suffix` appended to its last component ("6.1.0-57-amd64" + ".lock"), unlike

@@ -28,7 +28,7 @@ use anyhow::{Context, bail};
 use xshell::{Shell, cmd};
 
 use super::{
-    Kernel, KernelSpec, append_log, apt, host, kbuild, kconfig, lock_file_announced,
+    FileLock, Kernel, KernelSpec, append_log, apt, host, kbuild, kconfig, lock_file_announced,
     remove_dir_all_if_exists, run_logged, source, tree, with_suffix,
 };
 
@@ -80,7 +80,7 @@ pub(super) fn prepare(series: &str, debug: bool, cache_dir: &Path) -> anyhow::Re
     let kernels = cache_dir.join("kernels");
     fs::create_dir_all(&kernels).with_context(|| format!("cannot create {}", kernels.display()))?;
     let root = kernels.join(format!("{}-{key}", spec.slug()));
-    let _lock = lock_file_announced(
+    let lock = lock_file_announced(
         &with_suffix(&root, ".lock"),
         &format!(
             "waiting for another process building {spec} in {}",
@@ -91,6 +91,7 @@ pub(super) fn prepare(series: &str, debug: bool, cache_dir: &Path) -> anyhow::Re
         return Ok(kernel);
     }
     let job = Job {
+        lock: &lock,
         spec: &spec,
         package: &package,
         version: &version,
@@ -207,6 +208,8 @@ fn load_built(root: &Path, spec: &KernelSpec, version: &str) -> anyhow::Result<O
 
 /// One build of a `build:` kernel into its cache dir.
 struct Job<'a> {
+    /// The lock on this build's cache dir.
+    lock: &'a FileLock,
     spec: &'a KernelSpec,
     package: &'a str,
     version: &'a str,
@@ -347,7 +350,11 @@ impl Job<'_> {
         let mut command = Command::new("make");
         command
             .args(&args)
-            .stdin(Stdio::null())
+            // The lock file (empty, read at EOF if ever) as stdin: make and every compiler it
+            // starts hold the lock, so if this process dies (SIGKILL, or a SIGTERM that make
+            // does not get), the next one waits for the orphaned build, then resumes it,
+            // instead of running a second make in the same tree.
+            .stdin(Stdio::from(self.lock.file().try_clone()?))
             .stdout(log_file.try_clone()?)
             .stderr(log_file);
         for var in KBUILD_ENV {
