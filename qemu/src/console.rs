@@ -15,24 +15,45 @@ pub struct Splat {
     pub context: Vec<String>,
 }
 
-/// Text that marks a kernel report; any of these fails the run.
-pub const SPLAT_MARKERS: &[&str] = &[
+/// How a kernel report's first line starts (after the `[time]` prefix); any of these fails
+/// the run. `WARNING:` is matched only at the start: boot messages such as "Speculative Return
+/// Stack Overflow: WARNING: ..." are advice, not splats.
+pub const SPLAT_STARTS: &[&str] = &[
     "Kernel panic",
     "BUG:",
     "WARNING:",
     "Oops:",
+    "Oops ",
     "general protection fault",
-    "KASAN:",
     "UBSAN:",
+    "kernel BUG at",
+    "Call Trace:",
+];
+
+/// Text that marks a kernel report wherever it stands in a line (driver-prefixed reports,
+/// lockdep's headings, kmemleak's objects as the init echoes them).
+pub const SPLAT_ANYWHERE: &[&str] = &[
+    "KASAN:",
     "possible circular locking dependency",
     "possible recursive locking",
     "inconsistent lock state",
     "suspicious RCU usage",
     "unreferenced object",
-    "kernel BUG at",
     "DMA-API:",
-    "Call Trace:",
 ];
+
+/// Whether a console line starts a kernel report.
+pub fn is_splat(line: &str) -> bool {
+    let message = match line.trim_start().strip_prefix('[') {
+        Some(rest) => rest
+            .split_once(']')
+            .map_or(rest, |(_, msg)| msg)
+            .trim_start(),
+        None => line.trim_start(),
+    };
+    SPLAT_STARTS.iter().any(|m| message.starts_with(m))
+        || SPLAT_ANYWHERE.iter().any(|m| message.contains(m))
+}
 
 const CONTEXT_BEFORE: usize = 5;
 const CONTEXT_AFTER: usize = 30;
@@ -54,7 +75,7 @@ pub fn splats(log: &str) -> Vec<Splat> {
             skip_until = 0;
             continue;
         }
-        if i < skip_until || !SPLAT_MARKERS.iter().any(|m| line.contains(m)) {
+        if i < skip_until || !is_splat(line) {
             continue;
         }
         let from = i.saturating_sub(CONTEXT_BEFORE);
@@ -105,6 +126,28 @@ mod tests {
         assert_eq!(found[0].test.as_deref(), Some("smoke"));
         assert!(found[0].line.contains("WARNING:"));
         assert_eq!(found[1].test, None);
+    }
+
+    #[test]
+    fn advice_that_says_warning_is_not_a_splat() {
+        assert!(!is_splat(
+            "[    0.1] Speculative Return Stack Overflow: WARNING: See https://kernel.org/doc/html/latest/admin-guide/hw-vuln/srso.html for mitigation options."
+        ));
+        assert!(is_splat(
+            "[    2.0] WARNING: CPU: 1 PID: 7 at mm/gup.c:10 f+0x1/0x2"
+        ));
+        assert!(is_splat(
+            "[    2.0] WARNING: possible circular locking dependency detected"
+        ));
+        assert!(is_splat(
+            "[    2.0] BUG: KASAN: slab-use-after-free in fgds_release+0x10/0x20"
+        ));
+        assert!(is_splat(
+            "[    2.0] nvme 0000:01:00.0: DMA-API: device driver frees DMA memory with wrong function"
+        ));
+        assert!(is_splat(
+            "[    2.0] fgds-rig: kmemleak: unreferenced object 0xffff8880 (size 64):"
+        ));
     }
 
     #[test]
