@@ -168,6 +168,11 @@ fn print_table(rows: &[Value]) {
     );
 }
 
+/// Block sizes are powers of two: the plots' x axis is their log2, labelled in bytes.
+fn log2(bytes: u64) -> f64 {
+    (bytes.max(1) as f64).log2()
+}
+
 fn human(bytes: u64) -> String {
     if bytes >= 1 << 20 {
         format!("{}M", bytes >> 20)
@@ -201,15 +206,16 @@ fn plot(rows: &[Value], out_dir: &Path, label: &str) -> anyhow::Result<usize> {
     }
     let mut written = 0;
     for ((op, qd), modes) in &series {
-        let stem = out_dir.join(format!("{label}-{op}-qd{qd}"));
+        // Not `with_extension`: the label has a dot (debian-6.12).
+        let stem = format!("{label}-{op}-qd{qd}");
         let title = format!("{label}: {op}, queue depth {qd}");
-        let png = stem.with_extension("png");
+        let png = out_dir.join(format!("{stem}.png"));
         draw(
             BitMapBackend::new(&png, (900, 560)).into_drawing_area(),
             &title,
             modes,
         )?;
-        let svg = stem.with_extension("svg");
+        let svg = out_dir.join(format!("{stem}.svg"));
         draw(
             SVGBackend::new(&svg, (900, 560)).into_drawing_area(),
             &title,
@@ -250,13 +256,20 @@ where
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d((x_min as f64..x_max as f64).log_scale(), 0.0..y_max)
+        .build_cartesian_2d(log2(x_min) - 0.3..log2(x_max) + 0.3, 0.0..y_max)
         .map_err(|e| anyhow::format_err!("{e:?}"))?;
     chart
         .configure_mesh()
-        .x_desc("block size")
+        .x_desc("block size (log scale)")
         .y_desc("MiB/s")
-        .x_label_formatter(&|x| human(*x as u64))
+        .x_labels((log2(x_max) - log2(x_min)) as usize + 1)
+        .x_label_formatter(&|x| {
+            if (x - x.round()).abs() < 1e-6 {
+                human(2f64.powf(*x) as u64)
+            } else {
+                String::new()
+            }
+        })
         .draw()
         .map_err(|e| anyhow::format_err!("{e:?}"))?;
     let colors = [&BLUE, &RED, &GREEN, &MAGENTA];
@@ -264,7 +277,7 @@ where
         let color = colors[i % colors.len()];
         let mut pts = points
             .iter()
-            .map(|(x, y)| (*x as f64, *y))
+            .map(|(x, y)| (log2(*x), *y))
             .collect::<Vec<_>>();
         pts.sort_by(|a, b| a.0.total_cmp(&b.0));
         chart

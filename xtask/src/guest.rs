@@ -26,6 +26,8 @@ pub struct SuiteEntry {
     pub name: String,
     pub path: PathBuf,
     pub timeout_secs: u64,
+    /// For a C program of tests/c/ (`NAME.c` in the suite list): its source, built static.
+    pub c_source: Option<PathBuf>,
 }
 
 /// Builds the init, the `fgds` CLI and the named test programs of `tests/`, static, in
@@ -64,6 +66,40 @@ pub fn build_binaries(test_bins: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Builds the suite's C programs (tests/c/), static, with every warning an error; they see
+/// tests/c/ (the RFC's own header) and driver/include/uapi/ (the rig's vgpu header).
+pub fn build_c_programs(suite: &[SuiteEntry]) -> anyhow::Result<()> {
+    let root = crate::project_root();
+    std::fs::create_dir_all(c_bin_dir())?;
+    for entry in suite {
+        let Some(source) = &entry.c_source else {
+            continue;
+        };
+        let out = Command::new("gcc")
+            .args(["-static", "-O2", "-Wall", "-Wextra", "-Werror", "-I"])
+            .arg(root.join("tests/c"))
+            .arg("-I")
+            .arg(root.join("driver/include/uapi"))
+            .arg(source)
+            .arg("-o")
+            .arg(&entry.path)
+            .output()
+            .context("cannot run gcc")?;
+        if !out.status.success() {
+            bail!(
+                "{} does not build:\n{}",
+                source.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    Ok(())
+}
+
+fn c_bin_dir() -> PathBuf {
+    crate::project_root().join("target/guest-c")
+}
+
 /// Where [`build_binaries`] puts the guest binaries.
 pub fn bin_dir() -> PathBuf {
     crate::project_root()
@@ -90,11 +126,21 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
             .trim()
             .parse()
             .with_context(|| format!("bad timeout in {}: {line:?}", path.display()))?;
-        suite.push(SuiteEntry {
-            name: name.to_owned(),
-            path: bin_dir.join(name),
-            timeout_secs,
-        });
+        let entry = match name.strip_suffix(".c") {
+            Some(stem) => SuiteEntry {
+                name: stem.to_owned(),
+                path: c_bin_dir().join(stem),
+                timeout_secs,
+                c_source: Some(crate::project_root().join("tests/c").join(name)),
+            },
+            None => SuiteEntry {
+                name: name.to_owned(),
+                path: bin_dir.join(name),
+                timeout_secs,
+                c_source: None,
+            },
+        };
+        suite.push(entry);
     }
     Ok(suite)
 }
@@ -109,6 +155,7 @@ pub fn exec_entry(path: &Path, timeout_secs: u64) -> anyhow::Result<SuiteEntry> 
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     Ok(SuiteEntry {
+        c_source: None,
         name: format!("exec:{name}"),
         path: path.to_path_buf(),
         timeout_secs,

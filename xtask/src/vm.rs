@@ -140,6 +140,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
                 name: name.clone(),
                 path: bin_dir.join(name),
                 timeout_secs: *timeout_secs,
+                c_source: None,
             })
             .collect();
     }
@@ -148,7 +149,13 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     }
     let build = phases.run("build", || {
         let build = driver::build(&kernel, &run_dir)?;
-        guest::build_binaries(&suite.iter().map(|e| e.name.as_str()).collect::<Vec<_>>())?;
+        let rust = suite
+            .iter()
+            .filter(|e| e.c_source.is_none())
+            .map(|e| e.name.as_str())
+            .collect::<Vec<_>>();
+        guest::build_binaries(&rust)?;
+        guest::build_c_programs(&suite)?;
         Ok(build)
     })?;
     for exec in &opts.exec {

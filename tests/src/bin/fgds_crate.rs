@@ -15,15 +15,27 @@ const MIB: u64 = 1 << 20;
 
 fn main() {
     ktap::run(&[
-        Case { name: "register_read_write_round_trip", run: register_read_write_round_trip },
-        Case { name: "transfer_reports_partial_completion", run: transfer_reports_partial_completion },
-        Case { name: "misaligned_io_refused_before_the_kernel", run: misaligned_io_refused_before_the_kernel },
+        Case {
+            name: "register_read_write_round_trip",
+            run: register_read_write_round_trip,
+        },
+        Case {
+            name: "transfer_reports_partial_completion",
+            run: transfer_reports_partial_completion,
+        },
+        Case {
+            name: "misaligned_io_refused_before_the_kernel",
+            run: misaligned_io_refused_before_the_kernel,
+        },
     ])
 }
 
 /// The rig's GPU opened through the crate, and `len` bytes of vgpu memory registered with it.
 fn registered(len: u64) -> anyhow::Result<(fgds::Buffer, std::os::fd::OwnedFd)> {
-    let info = Gpu::list()?.into_iter().next().context("fgds serves no GPU")?;
+    let info = Gpu::list()?
+        .into_iter()
+        .next()
+        .context("fgds serves no GPU")?;
     let gpu = Gpu::open(&info.bdf)?;
     let dev = fgds::vgpu::open(0)?;
     let (dmabuf, _) = fgds::vgpu::alloc(&dev, len)?;
@@ -56,26 +68,44 @@ fn transfer_reports_partial_completion() -> CaseResult {
     nvme.write_all_at(known.as_slice(), start)?;
 
     let (buffer, dmabuf) = registered(LEN)?;
-    let mut transfer = Transfer::new(TransferConfig { chunk_size: MIB as usize, queue_depth: 4 })?;
+    let mut transfer = Transfer::new(TransferConfig {
+        chunk_size: MIB as usize,
+        queue_depth: 4,
+    })?;
     let err = match transfer.run(Direction::Read, &buffer, 0..buffer.len(), &nvme, start) {
         Ok(n) => bail!("a read across the drive's failing area moved {n} bytes without an error"),
         Err(err) => err,
     };
-    ensure!(matches!(err, Error::Io { .. }), "expected an I/O error, got {err}");
-    ensure!(err.bytes_done() == 4 * MIB, "bytes_done {} != 4 MiB: {err}", err.bytes_done());
+    ensure!(
+        matches!(err, Error::Io { .. }),
+        "expected an I/O error, got {err}"
+    );
+    ensure!(
+        err.bytes_done() == 4 * MIB,
+        "bytes_done {} != 4 MiB: {err}",
+        err.bytes_done()
+    );
     let raw = match &err {
         Error::Io { source, .. } => source.raw_os_error(),
         _ => None,
     };
-    ensure!(matches!(raw, Some(libc::EIO) | Some(libc::ENODATA)), "errno {raw:?}, expected EIO or ENODATA");
+    ensure!(
+        matches!(raw, Some(libc::EIO) | Some(libc::ENODATA)),
+        "errno {raw:?}, expected EIO or ENODATA"
+    );
     let cpu = CpuMapping::new(dmabuf.as_fd(), (4 * MIB) as usize)?;
     let mut got = vec![0u8; (4 * MIB) as usize];
     cpu.read(0, &mut got);
     if let Some(at) = pattern::first_mismatch(seed, 0, &got) {
-        bail!("the {} bytes reported done differ from the drive at byte {at}", err.bytes_done());
+        bail!(
+            "the {} bytes reported done differ from the drive at byte {at}",
+            err.bytes_done()
+        );
     }
     // Later I/O outside the failing area works.
-    transfer.run(Direction::Read, &buffer, 0..buffer.len(), &nvme, 0).context("I/O after the failure")?;
+    transfer
+        .run(Direction::Read, &buffer, 0..buffer.len(), &nvme, 0)
+        .context("I/O after the failure")?;
     ktap::pass()
 }
 
@@ -85,7 +115,9 @@ fn misaligned_io_refused_before_the_kernel() -> CaseResult {
     for (file_offset, range) in [(1u64, 0..4096), (0, 100..4196), (0, 0..100)] {
         match buffer.read_at(&nvme, file_offset, range.clone()) {
             Err(Error::Invalid(msg)) if msg.contains("alignment") => {}
-            other => bail!("read_at({file_offset}, {range:?}) gave {other:?}, expected an alignment error"),
+            other => bail!(
+                "read_at({file_offset}, {range:?}) gave {other:?}, expected an alignment error"
+            ),
         }
     }
     let buffered = std::fs::File::open(guest::nvme_path()?)?;
