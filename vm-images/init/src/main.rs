@@ -361,6 +361,8 @@ fn run_test(ktap: &mut File, number: usize, test: &Test, drives: &Drives) -> any
 
     let deadline = started + test.timeout;
     let mut child_failed = false;
+    // A program that skips as a whole says why on its plan line: `1..0 # SKIP reason`.
+    let mut skip_reason = None;
     let mut open_streams = 2;
     let mut timed_out = false;
     while open_streams > 0 {
@@ -369,6 +371,13 @@ fn run_test(ktap: &mut File, number: usize, test: &Test, drives: &Drives) -> any
             Ok((_, line)) if line == "\0eof" => open_streams -= 1,
             Ok((true, line)) => {
                 child_failed |= line.trim_start().starts_with("not ok ");
+                if let Some((_, reason)) = line
+                    .trim_start()
+                    .strip_prefix("1..")
+                    .and_then(|p| p.split_once("# SKIP"))
+                {
+                    skip_reason = Some(reason.trim().to_owned());
+                }
                 writeln!(ktap, "  {line}")?;
                 ktap.flush()?;
             }
@@ -396,7 +405,10 @@ fn run_test(ktap: &mut File, number: usize, test: &Test, drives: &Drives) -> any
     } else {
         match status.code() {
             Some(0) if !child_failed => format!("ok {number} {}", test.name),
-            Some(4) => format!("ok {number} {} # SKIP the program exited with 4", test.name),
+            Some(4) => {
+                let reason = skip_reason.unwrap_or_else(|| "the program exited with 4".to_owned());
+                format!("ok {number} {} # SKIP {reason}", test.name)
+            }
             Some(code) => format!("not ok {number} {} # exit={code}", test.name),
             None => format!(
                 "not ok {number} {} # killed by a signal ({status})",
