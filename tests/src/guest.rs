@@ -83,3 +83,36 @@ pub fn rig_modules() -> anyhow::Result<Vec<(String, String)>> {
         })
         .collect())
 }
+
+/// Why fgds refuses to serve the rig's GPU in this setup (GENERIC pages under a translating
+/// IOMMU, EOPNOTSUPP by design), if it does: registers one page of vgpu memory to find out.
+/// Programs that need registrations skip with this reason; fgds_badinput checks the refusal.
+pub fn fgds_refusal() -> Option<String> {
+    use std::os::fd::AsFd;
+    let probe = || -> Result<(), fgds::Error> {
+        let info = fgds::Gpu::list()?
+            .into_iter()
+            .next()
+            .ok_or_else(|| fgds::Error::NoSuchGpu {
+                bdf: "any".to_owned(),
+            })?;
+        let gpu = fgds::Gpu::open(&info.bdf)?;
+        let (dmabuf, _) = fgds::vgpu::alloc(&fgds::vgpu::open(0)?, 4096)?;
+        gpu.register(dmabuf.as_fd(), 0, 4096).map(drop)
+    };
+    match probe() {
+        Err(fgds::Error::Register { errno: rustix::io::Errno::OPNOTSUPP }) => {
+            Some("fgds refuses this setup by design (EOPNOTSUPP: see fgds_badinput::unsafe_setup_refused)".to_owned())
+        }
+        _ => None,
+    }
+}
+
+/// Exits with the kselftest skip code, and the reason on the plan line, if fgds refuses the
+/// setup (see [`fgds_refusal`]).
+pub fn skip_if_fgds_refuses() {
+    if let Some(reason) = fgds_refusal() {
+        println!("KTAP version 1\n1..0 # SKIP {reason}");
+        std::process::exit(4);
+    }
+}

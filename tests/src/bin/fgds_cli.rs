@@ -10,15 +10,7 @@ use fgds_tests::ktap::{self, Case, CaseResult};
 fn main() {
     // fgds refuses some setups by design (GENERIC pages under a translating IOMMU): then there
     // is nothing to move, and fgds_badinput checks the refusal itself.
-    if let Err(fgds::Error::Register {
-        errno: rustix::io::Errno::OPNOTSUPP,
-    }) = probe_registration()
-    {
-        println!(
-            "KTAP version 1\n1..0 # SKIP fgds refuses this setup by design (EOPNOTSUPP: see fgds_badinput::unsafe_setup_refused)"
-        );
-        std::process::exit(4);
-    }
+    fgds_tests::guest::skip_if_fgds_refuses();
     ktap::run(&[
         Case {
             name: "list_shows_the_gpu_and_its_mode",
@@ -33,20 +25,6 @@ fn main() {
             run: bench_runs_every_mode,
         },
     ])
-}
-
-/// Registers one page of vgpu memory through the crate, to learn whether fgds serves this setup.
-fn probe_registration() -> Result<(), fgds::Error> {
-    use std::os::fd::AsFd;
-    let info = fgds::Gpu::list()?
-        .into_iter()
-        .next()
-        .ok_or_else(|| fgds::Error::NoSuchGpu {
-            bdf: "any".to_owned(),
-        })?;
-    let gpu = fgds::Gpu::open(&info.bdf)?;
-    let (dmabuf, _) = fgds::vgpu::alloc(&fgds::vgpu::open(0)?, 4096)?;
-    gpu.register(dmabuf.as_fd(), 0, 4096).map(drop)
 }
 
 fn fgds(args: &[&str]) -> anyhow::Result<String> {
