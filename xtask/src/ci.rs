@@ -8,10 +8,14 @@ use fgds_vm_images::kernel;
 use crate::report::{self, Outcome, Verdict};
 use crate::{driver, host, selftest, vm};
 
+/// The kernels CI boots: the LTS users run (GENERIC pages), and the newest (P2PDMA pages,
+/// DMABUF_DEBUG on).
+pub const CI_KERNELS: [&str; 2] = ["debian:6.12", "debian:7.3"];
+
 #[derive(clap::Args)]
 pub struct Options {
     /// Kernels to run the suite on (repeatable).
-    #[arg(long = "kernel", default_values_t = ["debian:6.12".to_owned()])]
+    #[arg(long = "kernel", default_values_t = CI_KERNELS.map(str::to_owned))]
     pub kernels: Vec<String>,
 }
 
