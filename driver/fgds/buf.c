@@ -96,7 +96,8 @@ static void fgds_buf_revoke_locked(struct fgds_buf *buf, bool zap)
 	buf->revoked = true;
 	up_write(&buf->lock);
 
-	if (zap && !was_revoked)
+	/* A released buffer (buf->mapping NULL) has no mapping left to zap. */
+	if (zap && !was_revoked && buf->mapping)
 		unmap_mapping_range(buf->mapping,
 				    (loff_t)buf->vm_pgoff << PAGE_SHIFT,
 				    buf->size, 1);
@@ -157,10 +158,42 @@ void fgds_buf_free(struct fgds_buf *buf)
 	kfree(buf);
 }
 
+/**
+ * fgds_buf_drop_dmabuf() - unmap, unpin, detach and put a registration's dma-buf
+ * @buf: a registration without mappings, or revoked
+ *
+ * Waits (revoke_timeout_ms at most) for I/O still in flight into its pages
+ * first, as a revocation does; callers that must not wait check
+ * fgds_pages_quiet() before.
+ */
+void fgds_buf_drop_dmabuf(struct fgds_buf *buf)
+{
+	if (buf->attach) {
+		dma_resv_lock(buf->dmabuf->resv, NULL);
+		fgds_buf_revoke_locked(buf, false);
+		dma_resv_unlock(buf->dmabuf->resv);
+		dma_buf_detach(buf->dmabuf, buf->attach);
+		buf->attach = NULL;
+	}
+	if (buf->dmabuf)
+		dma_buf_put(buf->dmabuf);
+	buf->dmabuf = NULL;
+}
+
+/*
+ * The last reference is gone: no mapping, no registry entry, so no new PTE
+ * and no new pin can appear. Pins of I/O still in flight (or of an io_uring
+ * registered buffer, which outlives the mapping it was made from) may remain:
+ * then the buffer becomes a zombie that keeps the dma-buf pinned and mapped,
+ * so the exporter cannot reuse memory that DMA may still reach, and the reaper
+ * releases it once the pages are quiet. Nothing here waits for I/O: this runs
+ * in close() and in the exit of a killed process.
+ */
 static void fgds_buf_release(struct kref *ref)
 {
 	struct fgds_buf *buf = container_of(ref, struct fgds_buf, ref);
 	struct fgds_gpu *gpu = buf->gpu;
+	bool quiet;
 
 	mutex_lock(&gpu->lock);
 	if (buf->listed) {
@@ -169,22 +202,28 @@ static void fgds_buf_release(struct kref *ref)
 		gpu->nr_bufs--;
 		gpu->nr_bytes -= buf->size;
 	}
+	quiet = fgds_buf_quiet(buf);
+	if (!quiet) {
+		/* Its file may go: an invalidation must not zap through it. */
+		if (buf->dmabuf) {
+			dma_resv_lock(buf->dmabuf->resv, NULL);
+			buf->mapping = NULL;
+			dma_resv_unlock(buf->dmabuf->resv);
+		}
+		list_add_tail(&buf->gpu_node, &gpu->zombies);
+	}
 	mutex_unlock(&gpu->lock);
 
-	if (buf->attach) {
-		dma_resv_lock(buf->dmabuf->resv, NULL);
-		fgds_buf_revoke_locked(buf, false);
-		dma_resv_unlock(buf->dmabuf->resv);
-		dma_buf_detach(buf->dmabuf, buf->attach);
+	if (!quiet) {
+		fgds_gpu_kick_reaper(gpu);
+		return;
 	}
-	if (buf->dmabuf)
-		dma_buf_put(buf->dmabuf);
-
+	fgds_buf_drop_dmabuf(buf);
 	if (fgds_buf_reap(buf)) {
 		fgds_buf_free(buf);
 		return;
 	}
-	/* I/O still in flight: the reaper gives the pages back later. */
+	/* Pinned again meanwhile (cannot happen without PTEs): reap later. */
 	mutex_lock(&gpu->lock);
 	list_add_tail(&buf->gpu_node, &gpu->zombies);
 	mutex_unlock(&gpu->lock);

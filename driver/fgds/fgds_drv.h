@@ -60,7 +60,9 @@ enum fgds_mode {
  * @p2p_claim: P2PDMA mode: kernel address of the whole-BAR genpool claim
  * @p2p_group: P2PDMA mode: devres group on @pdev holding the P2PDMA resource
  *	if fgds created the device's P2PDMA state itself, else NULL
- * @zombies: released buffers whose pages are still pinned by I/O
+ * @zombies: released buffers whose pages are still pinned by I/O; each
+ *	keeps its dma-buf pinned and mapped until they are quiet (or the GPU's
+ *	driver unbinds)
  * @holds_lock: protects @holds, @nr_held and every buffer's @holding; taken
  *	after @lock and after dmabuf->resv
  * @holds: BAR page index -> number of registrations holding that page
@@ -193,10 +195,12 @@ void fgds_gpu_revoke_all(struct fgds_gpu *gpu);
 void fgds_gpu_kick_reaper(struct fgds_gpu *gpu);
 void fgds_reaper_fn(struct work_struct *work);
 bool fgds_buf_reap(struct fgds_buf *buf);
+bool fgds_buf_quiet(struct fgds_buf *buf);
 
 /* buf.c */
 void fgds_buf_revoke(struct fgds_buf *buf);
 void fgds_buf_put(struct fgds_buf *buf);
+void fgds_buf_drop_dmabuf(struct fgds_buf *buf);
 void fgds_buf_free(struct fgds_buf *buf);
 
 #endif /* _FGDS_DRV_H */

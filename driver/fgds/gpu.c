@@ -483,6 +483,24 @@ bool fgds_pages_quiet(struct fgds_gpu *gpu, const struct fgds_extent *ext,
 }
 
 /**
+ * fgds_buf_quiet() - is a registration free of I/O (or holding nothing)?
+ * @buf: the registration
+ *
+ * Return: true when @buf holds no page reference or its pages are quiet.
+ */
+bool fgds_buf_quiet(struct fgds_buf *buf)
+{
+	struct fgds_gpu *gpu = buf->gpu;
+	bool quiet;
+
+	mutex_lock(&gpu->holds_lock);
+	quiet = !buf->holding ||
+		fgds_pages_quiet(gpu, buf->ext, buf->nr_ext);
+	mutex_unlock(&gpu->holds_lock);
+	return quiet;
+}
+
+/**
  * fgds_holds_put() - give back fgds's references of a registration
  * @gpu: the GPU
  * @ext: the registration's extents
@@ -509,6 +527,9 @@ void fgds_gpu_revoke_all(struct fgds_gpu *gpu)
 	lockdep_assert_held(&gpu->lock);
 	list_for_each_entry(buf, &gpu->bufs, gpu_node)
 		fgds_buf_revoke(buf);
+	/* Released ones still pinned by I/O give their dma-buf back now. */
+	list_for_each_entry(buf, &gpu->zombies, gpu_node)
+		fgds_buf_drop_dmabuf(buf);
 }
 
 /**
@@ -548,14 +569,23 @@ static bool fgds_reap(struct fgds_gpu *gpu)
 		if (buf->revoked && !fgds_buf_reap(buf))
 			left = true;
 	list_for_each_entry_safe(buf, tmp, &gpu->zombies, gpu_node) {
-		if (fgds_buf_reap(buf))
+		if (fgds_buf_quiet(buf))
 			list_move(&buf->gpu_node, &done);
 		else
 			left = true;
 	}
 	/* Every caller holds its own reference on gpu->dev. */
-	list_for_each_entry_safe(buf, tmp, &done, gpu_node)
-		fgds_buf_free(buf);
+	list_for_each_entry_safe(buf, tmp, &done, gpu_node) {
+		/* Quiet: unpins and gives the dma-buf back without waiting. */
+		fgds_buf_drop_dmabuf(buf);
+		if (fgds_buf_reap(buf)) {
+			list_del(&buf->gpu_node);
+			fgds_buf_free(buf);
+		} else {
+			list_move_tail(&buf->gpu_node, &gpu->zombies);
+			left = true;
+		}
+	}
 	return left;
 }
 
