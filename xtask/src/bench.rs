@@ -42,13 +42,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         FULL_TIMEOUT_SECS
     };
     let run = vm::run_kernel(&vm::Options {
-        kernel: opts.kernel.clone(),
-        accel: vm::AccelArg::Tcg,
-        exec: Vec::new(),
         vgpu_mode: opts.vgpu_mode.clone(),
-        only: Vec::new(),
-        no_suite: false,
-        iommu: false,
         append: if opts.quick {
             "fgds.bench=quick".to_owned()
         } else {
@@ -56,6 +50,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         },
         gpu_bytes: GPU_BYTES,
         programs: vec![(PROGRAM.to_owned(), timeout)],
+        ..vm::Options::for_kernel(&opts.kernel)
     })?;
     let ktap = std::fs::read_to_string(run.run_dir.join("ktap.log"))
         .context("the run left no KTAP log")?;

@@ -59,18 +59,7 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
         kernel: "debian:6.12".to_owned(),
     }));
     for kernel in &opts.kernels {
-        let vm_opts = vm::Options {
-            kernel: kernel.clone(),
-            accel: vm::AccelArg::Tcg,
-            exec: Vec::new(),
-            vgpu_mode: "plain".to_owned(),
-            only: Vec::new(),
-            no_suite: false,
-            iommu: false,
-            append: String::new(),
-            gpu_bytes: fgds_tests::pattern::GPU_MEMORY_BYTES,
-            programs: Vec::new(),
-        };
+        let vm_opts = vm::Options::for_kernel(kernel);
         outcomes.extend(or_failure(
             &format!("{kernel}::run"),
             vm::run_kernel(&vm_opts).map(|run| run.outcomes),

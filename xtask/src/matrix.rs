@@ -46,16 +46,8 @@ pub fn matrix(opts: &Options) -> anyhow::Result<ExitCode> {
     let mut all = Vec::new();
     for kernel in &kernels {
         let vm_opts = vm::Options {
-            kernel: kernel.clone(),
-            accel: vm::AccelArg::Tcg,
-            exec: Vec::new(),
             vgpu_mode: opts.vgpu_mode.clone(),
-            only: Vec::new(),
-            no_suite: false,
-            iommu: false,
-            append: String::new(),
-            gpu_bytes: fgds_tests::pattern::GPU_MEMORY_BYTES,
-            programs: Vec::new(),
+            ..vm::Options::for_kernel(kernel)
         };
         match vm::run_kernel(&vm_opts) {
             Ok(run) => {

@@ -40,16 +40,8 @@ pub fn run(kernel: &str) -> anyhow::Result<Vec<Outcome>> {
         .map(|mode| copy_as(&bin, &dir, mode))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let base = vm::Options {
-        kernel: kernel.to_owned(),
-        accel: vm::AccelArg::Tcg,
-        exec: Vec::new(),
-        vgpu_mode: "plain".to_owned(),
-        only: Vec::new(),
         no_suite: true,
-        iommu: false,
-        append: String::new(),
-        gpu_bytes: fgds_tests::pattern::GPU_MEMORY_BYTES,
-        programs: Vec::new(),
+        ..vm::Options::for_kernel(kernel)
     };
     let endings = vm::run_kernel(&vm::Options {
         exec: programs[..3].to_vec(),

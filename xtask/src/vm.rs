@@ -55,6 +55,24 @@ pub struct Options {
     pub no_suite: bool,
 }
 
+impl Options {
+    /// The defaults of `cargo xtask test-vm --kernel <kernel>`: the whole suite, TCG, plain vgpu.
+    pub fn for_kernel(kernel: &str) -> Options {
+        Options {
+            kernel: kernel.to_owned(),
+            accel: AccelArg::Tcg,
+            exec: Vec::new(),
+            vgpu_mode: "plain".to_owned(),
+            only: Vec::new(),
+            no_suite: false,
+            iommu: false,
+            append: String::new(),
+            gpu_bytes: pattern::GPU_MEMORY_BYTES,
+            programs: Vec::new(),
+        }
+    }
+}
+
 #[derive(clap::ValueEnum, Clone, Copy)]
 pub enum AccelArg {
     Tcg,
