@@ -96,6 +96,9 @@ static int fgds_reserve_wc(struct fgds_gpu *gpu)
 	int ret;
 
 	ret = arch_io_reserve_memtype_wc(gpu->bar_start, gpu->bar_len);
+	/* Out of memory is no conflict: not a refusal to remember. */
+	if (ret == -ENOMEM)
+		return ret;
 	if (ret) {
 		pci_err(gpu->pdev,
 			"fgds: BAR %d is already mapped write-back (%d); fgds needs it write-combined or uncached: find and unload whatever maps it cached\n",
