@@ -8,7 +8,7 @@
 use std::ffi::CString;
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -212,37 +212,55 @@ pub fn read_mapping(map: &common::Map) -> Vec<u8> {
     out
 }
 
-/// A forked child that runs `body` and reports to the parent over a socket pair: the body
-/// calls `Parent::ready` once it holds what the test needs, then usually blocks in
-/// `Parent::wait_released` until the parent lets it go (or kills it).
+/// A forked child that runs `body` and reports to the parent over two pipes (the rig's
+/// minimal kernels have no AF_UNIX): the body calls `Parent::ready` once it holds what the
+/// test needs, then usually blocks in `Parent::wait_released` until the parent lets it go (or
+/// kills it).
 pub struct Child {
     pub pid: libc::pid_t,
-    sock: UnixStream,
+    /// Reads the child's messages.
+    from: File,
+    /// Releases the child.
+    to: File,
 }
 
-/// The child's end of the socket pair.
+/// The child's ends of the pipes.
 pub struct Parent {
-    sock: UnixStream,
+    to: File,
+    from: File,
 }
 
 impl Parent {
     /// Tells the parent the child is ready, with a short message.
     pub fn ready(&mut self, msg: &str) {
-        let _ = self.sock.write_all(format!("{msg}\n").as_bytes());
+        let _ = self.to.write_all(format!("{msg}\n").as_bytes());
     }
 
     /// Blocks until the parent releases the child (or goes away).
     pub fn wait_released(&mut self) {
         let mut b = [0u8; 1];
-        let _ = self.sock.read(&mut b);
+        let _ = self.from.read(&mut b);
     }
+}
+
+/// A pipe: (read end, write end), close-on-exec.
+fn pipe() -> anyhow::Result<(File, File)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two fds into the array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        bail!("pipe2: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: both fds are new and owned by nothing else.
+    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    Ok((File::from(r), File::from(w)))
 }
 
 impl Child {
     /// Forks; the child runs `body` and exits with its result (0, or 1 after printing the error
     /// as a KTAP diagnostic). Call only while the process is single-threaded.
     pub fn spawn(body: impl FnOnce(&mut Parent) -> anyhow::Result<()>) -> anyhow::Result<Child> {
-        let (ours, theirs) = UnixStream::pair()?;
+        let (from_child, to_parent) = pipe()?;
+        let (from_parent, to_child) = pipe()?;
         // SAFETY: the test programs fork while single-threaded; the child only runs `body` and
         // leaves with _exit.
         let pid = unsafe { libc::fork() };
@@ -250,8 +268,11 @@ impl Child {
             bail!("fork: {}", std::io::Error::last_os_error());
         }
         if pid == 0 {
-            drop(ours);
-            let mut parent = Parent { sock: theirs };
+            drop((from_child, to_child));
+            let mut parent = Parent {
+                to: to_parent,
+                from: from_parent,
+            };
             let code = match body(&mut parent) {
                 Ok(()) => 0,
                 Err(err) => {
@@ -263,21 +284,37 @@ impl Child {
             // SAFETY: leave the child without running the parent's exit handlers.
             unsafe { libc::_exit(code) };
         }
-        drop(theirs);
-        Ok(Child { pid, sock: ours })
+        drop((to_parent, from_parent));
+        Ok(Child {
+            pid,
+            from: from_child,
+            to: to_child,
+        })
     }
 
     /// Waits (up to `timeout`) for the child's ready line; an error line fails.
     pub fn wait_ready(&mut self, timeout: Duration) -> anyhow::Result<String> {
-        self.sock.set_read_timeout(Some(timeout))?;
+        let deadline = Instant::now() + timeout;
         let mut line = Vec::new();
         let mut b = [0u8; 1];
         loop {
-            match self.sock.read(&mut b) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut pfd = libc::pollfd {
+                fd: std::os::fd::AsRawFd::as_raw_fd(&self.from),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            let n = unsafe { libc::poll(&mut pfd, 1, left.as_millis() as i32) };
+            if n == 0 {
+                bail!("no word from the child within {timeout:?}");
+            }
+            match self.from.read(&mut b) {
                 Ok(0) => bail!("the child exited before it was ready"),
                 Ok(_) if b[0] == b'\n' => break,
                 Ok(_) => line.push(b[0]),
-                Err(e) => bail!("no word from the child within {timeout:?}: {e}"),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => bail!("reading from the child: {e}"),
             }
         }
         let line = String::from_utf8_lossy(&line).into_owned();
@@ -289,7 +326,7 @@ impl Child {
 
     /// Lets the child go on (it returns from `Parent::wait_released`).
     pub fn release(&mut self) {
-        let _ = self.sock.write_all(b"x");
+        let _ = self.to.write_all(b"x");
     }
 
     /// Sends SIGKILL.
