@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use common::{MIB, Map};
 use fault::{Child, SharedCounter};
+use fgds_tests::ctl;
 use fgds_tests::ktap::{self, Case, CaseResult};
 use io_uring::{IoUring, opcode, types};
 
@@ -45,6 +46,10 @@ fn main() {
         Case {
             name: "close_under_io_uring_fixed_buffer_keeps_dmabuf_pinned",
             run: close_under_fixed_buffer,
+        },
+        Case {
+            name: "close_under_io_then_exporter_unbind",
+            run: close_under_io_then_unbind,
         },
     ])
 }
@@ -310,5 +315,113 @@ fn close_under_fixed_buffer() -> CaseResult {
     )?;
     drop(dmabuf);
     fault::wait_vgpu_buffers_gone("after the ring and the dma-buf are gone")?;
+    ktap::pass()
+}
+
+/// The blkdebug breakpoint tag.
+const TAG: &str = "fgds_fault_kill";
+
+/// A qemu-io command on the raw drive's block node (blkdebug breakpoints), through the host.
+fn qemu_io(cmd: &str) -> anyhow::Result<()> {
+    let out = ctl::request(&format!("hmp qemu-io nvme0-disk \"{cmd}\""))?;
+    ensure!(out.trim().is_empty(), "qemu-io {cmd:?}: {out}");
+    Ok(())
+}
+
+/// A registration released (munmap, close) while a read still pins its pages stays behind
+/// holding the dma-buf pinned; the exporter's driver then unbinds, which revokes it: fgds
+/// waits for the read, gives the dma-buf back, and everything is released and works after a
+/// rebind.
+fn close_under_io_then_unbind() -> CaseResult {
+    fault::require_idle()?;
+    let bdf = common::vgpu_bdf()?;
+    let drv = std::fs::canonicalize(format!("/sys/bus/pci/devices/{bdf}/driver"))
+        .context("vgpu driver link")?;
+    let len = 64 * MIB;
+    let node = common::open_node()?;
+    let (idx, bar_off) = {
+        let vgpu = common::vgpu()?;
+        let (dmabuf, bar_off) = common::alloc(&vgpu, len)?;
+        (common::reg(&node, dmabuf.as_fd(), 0, len)?, bar_off)
+    };
+    let map = Map::shared(&node, idx, len as usize)?;
+    // 16 io_uring reads of 4 MiB: all their pages are pinned when submit returns.
+    let nvme = common::nvme(false)?;
+    let mut ring = IoUring::new(16)?;
+    let chunk = len as usize / 16;
+    for i in 0..16 {
+        // SAFETY: chunk i lies inside the mapping.
+        let ptr = unsafe { map.ptr.add(i * chunk) };
+        let sqe = opcode::Read::new(types::Fd(nvme.as_raw_fd()), ptr, chunk as u32)
+            .offset((i * chunk) as u64)
+            .build()
+            .user_data(i as u64);
+        // SAFETY: the pages stay pinned by the requests, the NVMe fd outlives them (waited for
+        // below).
+        unsafe { ring.submission().push(&sqe) }.map_err(|_| anyhow::anyhow!("SQ full"))?;
+    }
+    // QEMU suspends the first read that reaches the drive (a blkdebug breakpoint), so one
+    // request stays in flight, its pages pinned, for as long as the test wants.
+    qemu_io(&format!("break read_aio {TAG}"))?;
+    let result = (|| -> anyhow::Result<()> {
+        ring.submit()?;
+        fault::wait_until(
+            "15 of the 16 reads to complete (one is held by QEMU)",
+            Duration::from_secs(30),
+            || Ok(ring.completion().len() >= 15),
+        )?;
+        drop(map);
+        drop(node);
+        let pinned = vgpu_pins(bar_off)?.unwrap_or(0);
+        let counted = fault::counters()?;
+        ktap::diag(format_args!(
+            "after close: {} of 16 reads done, vgpu pins {pinned}, fgds counts {counted:?}",
+            ring.completion().len()
+        ));
+        ensure!(
+            counted == (0, 0),
+            "fgds still counts {counted:?} after munmap and close"
+        );
+        ensure!(
+            pinned > 0,
+            "fgds gave the dma-buf back (vgpu pins 0) while a read still pinned its pages"
+        );
+        fault::host_log("fgds_fault_kill: unbind vgpu with a released buffer pinned by a read")?;
+        let (bdf2, drv2) = (bdf.clone(), drv.clone());
+        let unbind = std::thread::spawn(move || std::fs::write(drv2.join("unbind"), bdf2));
+        std::thread::sleep(Duration::from_millis(500));
+        let waited_for_io = !unbind.is_finished();
+        qemu_io(&format!("resume {TAG}"))?;
+        let unbound = unbind
+            .join()
+            .map_err(|_| anyhow::anyhow!("unbind thread panicked"))?;
+        let rebound = std::fs::write(drv.join("bind"), &bdf).context("rebind vgpu");
+        unbound.context("unbind vgpu")?;
+        rebound?;
+        ensure!(
+            waited_for_io,
+            "the unbind returned while a read still pinned the pages"
+        );
+        ring.submit_and_wait(16)?;
+        let results = ring.completion().map(|c| c.result()).collect::<Vec<_>>();
+        // The reads completed into the pages they pinned before the mapping went.
+        ensure!(
+            results.len() == 16 && results.iter().all(|&r| r == chunk as i32),
+            "read results {results:?}"
+        );
+        Ok(())
+    })();
+    // One-shot: gone once it fired; removed here if it never did.
+    let _ = qemu_io(&format!("remove_break {TAG}"));
+    let _ = qemu_io(&format!("resume {TAG}"));
+    result?;
+    fault::wait_until(
+        "vgpu and the node after rebind",
+        Duration::from_secs(20),
+        || Ok(common::node_path().is_ok() && common::vgpu_name().is_ok()),
+    )?;
+    fault::wait_counters_zero("after the rebind")?;
+    fault::data_check(4 * MIB, 36 * MIB).context("after the rebind")?;
+    fault::wait_counters_zero("after the check")?;
     ktap::pass()
 }
