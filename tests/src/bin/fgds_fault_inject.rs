@@ -81,10 +81,12 @@ impl Injection {
             .filter(|a| !Path::new(DEBUGFS).join(a).is_dir())
             .collect::<Vec<_>>();
         if !missing.is_empty() {
+            let missing = missing.iter().map(|a| a.to_string()).collect::<Vec<_>>();
             return Ok(Err(format!(
-                "no fault-injection debugfs ({DEBUGFS}/{missing:?} missing: the kernel lacks \
+                "no fault-injection debugfs ({DEBUGFS}/{{{}}} missing: the kernel lacks \
                  CONFIG_FAULT_INJECTION_DEBUG_FS with FAILSLAB, FAIL_PAGE_ALLOC and \
-                 FAIL_MAKE_REQUEST; the build:X.Y+debug kernels have them)"
+                 FAIL_MAKE_REQUEST; the build:X.Y+debug kernels have them)",
+                missing.join(",")
             )));
         }
         let disk = guest::nvme_path()?;
