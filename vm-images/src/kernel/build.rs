@@ -235,18 +235,18 @@ impl Job<'_> {
                 self.spec,
                 self.root.display()
             );
-            if let Err(err) = self.compile(src, &layout) {
+            if let Err(err) = self.compile(src, &layout, false) {
                 append_log(&self.log, &format!("the resumed build failed: {err:#}\n"))?;
                 eprintln!(
                     "{}: the resumed build failed; starting over from a clean tree",
                     self.spec
                 );
                 self.configure(src, &layout)?;
-                self.compile(src, &layout)?;
+                self.compile(src, &layout, true)?;
             }
         } else {
             self.configure(src, &layout)?;
-            self.compile(src, &layout)?;
+            self.compile(src, &layout, true)?;
         }
         let kernel = self.finish(&layout)?;
         let took = started.elapsed();
@@ -321,8 +321,9 @@ impl Job<'_> {
             .with_context(|| format!("cannot write {}", marker.display()))
     }
 
-    /// `make bzImage modules`, with a progress line every 30 s.
-    fn compile(&self, src: &Path, layout: &Layout) -> anyhow::Result<()> {
+    /// `make bzImage modules`, with a progress line every 30 s. A `fresh` build (not a resumed
+    /// one) records how many files it compiled, for the next build's estimate.
+    fn compile(&self, src: &Path, layout: &Layout, fresh: bool) -> anyhow::Result<()> {
         let jobs = std::thread::available_parallelism().map_or(1, |it| it.get());
         let expected = fs::read_to_string(&self.count_file)
             .ok()
@@ -390,7 +391,7 @@ impl Job<'_> {
                 self.log.display()
             );
         }
-        if progress.compiled > 0 {
+        if fresh && progress.compiled > 0 {
             let _ = fs::write(&self.count_file, format!("{}\n", progress.compiled));
         }
         Ok(())
