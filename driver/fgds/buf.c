@@ -704,7 +704,9 @@ static int fgds_open(struct inode *inode, struct file *filp)
 		return -ENOMEM;
 	get_device(&gpu->dev);
 	f->gpu = gpu;
-	f->mapping = filp->f_mapping;
+	/* As device-dax: the VMAs sit in the mapping their pages point to. */
+	filp->f_mapping = fgds_mapping;
+	f->mapping = fgds_mapping;
 	mutex_init(&f->lock);
 	xa_init_flags(&f->bufs, XA_FLAGS_ALLOC1);
 	filp->private_data = f;

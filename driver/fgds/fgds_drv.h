@@ -104,6 +104,7 @@ struct fgds_gpu {
  * struct fgds_file - one open file of a node
  * @gpu: the node's GPU (device reference held)
  * @mapping: the address_space every mapping made through this file uses
+ *	(fgds_mapping, shared by all files)
  * @lock: protects @bufs and @nr
  * @bufs: registry, id -> struct fgds_buf; idx = id << PAGE_SHIFT
  * @nr: number of entries in @bufs
@@ -176,6 +177,7 @@ extern unsigned int fgds_max_buffers_per_file;
 extern unsigned long long fgds_max_bytes_per_gpu;
 extern unsigned int fgds_revoke_timeout_ms;
 
+extern struct address_space *fgds_mapping;
 extern const struct file_operations fgds_fops;
 extern const struct attribute_group *fgds_gpu_groups[];
 

@@ -30,6 +30,13 @@
  * page's idle count, fgds's own, and one per PTE. PTEs are only created by
  * fgds's fault handler and removed by zapping; GUP pins of in-flight I/O are
  * the only other references, so "quiet" means "no I/O in flight".
+ *
+ * While fgds holds a page, page->mapping is fgds_mapping (cleared before the
+ * reference goes). GUP-fast refuses an order-0 page without a mapping (it
+ * cannot rule out secretmem, mm/gup.c gup_fast_folio_allowed()) and falls
+ * back to walking the page tables page by page under mmap_lock, which cost a
+ * 1 MiB read into GPU memory as much guest CPU as the rest of the I/O. The
+ * mapping's dirty_folio is noop_dirty_folio(), for bio_set_pages_dirty().
  */
 
 #include <linux/delay.h>
@@ -377,6 +384,7 @@ static void fgds_hold_put_one(struct fgds_gpu *gpu, pgoff_t pg)
 {
 	void *entry = xa_load(&gpu->holds, pg);
 	unsigned long n = entry ? xa_to_value(entry) : 0;
+	struct page *page;
 
 	if (WARN_ON_ONCE(!n))
 		return;
@@ -385,8 +393,10 @@ static void fgds_hold_put_one(struct fgds_gpu *gpu, pgoff_t pg)
 		return;
 	}
 	xa_erase(&gpu->holds, pg);
+	page = fgds_gpu_page(gpu, pg);
+	WRITE_ONCE(page->mapping, NULL);
 	/* Never put_page(): a P2PDMA page would go back to its pool. */
-	page_ref_dec(fgds_gpu_page(gpu, pg));
+	page_ref_dec(page);
 	gpu->nr_held--;
 }
 
@@ -394,13 +404,16 @@ static int fgds_hold_get_one(struct fgds_gpu *gpu, pgoff_t pg)
 {
 	void *entry = xa_load(&gpu->holds, pg);
 	unsigned long n = entry ? xa_to_value(entry) : 0;
+	struct page *page;
 	int ret;
 
 	ret = xa_err(xa_store(&gpu->holds, pg, xa_mk_value(n + 1), GFP_KERNEL));
 	if (ret)
 		return ret;
 	if (!n) {
-		page_ref_inc(fgds_gpu_page(gpu, pg));
+		page = fgds_gpu_page(gpu, pg);
+		page_ref_inc(page);
+		WRITE_ONCE(page->mapping, fgds_mapping);
 		gpu->nr_held++;
 	}
 	return 0;
@@ -655,6 +668,22 @@ static bool fgds_wait_unheld(struct fgds_gpu *gpu)
 	}
 }
 
+/*
+ * Leaves the pages still held to their pins for good: no PTE maps them any
+ * more (everything is revoked), so only their ->mapping has to go before the
+ * module, and with it fgds_mapping, can.
+ */
+static void fgds_holds_forget(struct fgds_gpu *gpu)
+{
+	unsigned long pg;
+	void *entry;
+
+	mutex_lock(&gpu->holds_lock);
+	xa_for_each(&gpu->holds, pg, entry)
+		WRITE_ONCE(fgds_gpu_page(gpu, pg)->mapping, NULL);
+	mutex_unlock(&gpu->holds_lock);
+}
+
 /**
  * fgds_gpu_teardown_pages() - revoke everything and drop the page provider
  * @gpu: the GPU; gpu->lock held
@@ -676,6 +705,7 @@ void fgds_gpu_teardown_pages(struct fgds_gpu *gpu)
 		dev_err(&gpu->dev,
 			"GENERIC pages still pinned after %u ms (an io_uring registered buffer?); leaking them rather than freeing pinned pages\n",
 			fgds_revoke_timeout_ms);
+		fgds_holds_forget(gpu);
 		gpu->pgmap = NULL;
 		gpu->memtype_wc = false;
 		WRITE_ONCE(gpu->mode, FGDS_MODE_NONE);

@@ -13,10 +13,14 @@
  */
 
 #include <linux/fs.h>
+#include <linux/fs_context.h>
 #include <linux/idr.h>
 #include <linux/module.h>
 #include <linux/moduleparam.h>
+#include <linux/mount.h>
+#include <linux/pagemap.h>
 #include <linux/pci.h>
+#include <linux/pseudo_fs.h>
 #include <linux/slab.h>
 #include <linux/string.h>
 
@@ -50,6 +54,58 @@ static struct class *fgds_class;
 static DEFINE_IDA(fgds_minors);
 /* Protects fgds_gpus; taken before any gpu->lock. */
 static DEFINE_MUTEX(fgds_lock);
+
+/*
+ * The address_space of every open file of every node, and the ->mapping of
+ * every page fgds maps (see fgds_hold_get_one()), as device-dax does it: an
+ * inode of a private pseudo filesystem whose mapping marks pages dirty
+ * without writeback.
+ */
+#define FGDS_FS_MAGIC	0x66676473	/* "fgds" */
+
+static struct vfsmount *fgds_mnt;
+static struct inode *fgds_inode;
+struct address_space *fgds_mapping;
+
+static const struct address_space_operations fgds_aops = {
+	.dirty_folio = noop_dirty_folio,
+};
+
+static int fgds_init_fs_context(struct fs_context *fc)
+{
+	return init_pseudo(fc, FGDS_FS_MAGIC) ? 0 : -ENOMEM;
+}
+
+static struct file_system_type fgds_fs_type = {
+	.name = "fgds",
+	.init_fs_context = fgds_init_fs_context,
+	.kill_sb = kill_anon_super,
+};
+
+static int fgds_mapping_init(void)
+{
+	int ret;
+
+	fgds_mnt = kern_mount(&fgds_fs_type);
+	if (IS_ERR(fgds_mnt))
+		return PTR_ERR(fgds_mnt);
+	fgds_inode = alloc_anon_inode(fgds_mnt->mnt_sb);
+	if (IS_ERR(fgds_inode)) {
+		ret = PTR_ERR(fgds_inode);
+		kern_unmount(fgds_mnt);
+		return ret;
+	}
+	fgds_inode->i_mapping->a_ops = &fgds_aops;
+	fgds_mapping = fgds_inode->i_mapping;
+	return 0;
+}
+
+static void fgds_mapping_exit(void)
+{
+	iput(fgds_inode);
+	kern_unmount(fgds_mnt);
+}
+
 static LIST_HEAD(fgds_gpus);
 
 static bool fgds_named(struct pci_dev *pdev)
@@ -266,9 +322,12 @@ static int __init fgds_init(void)
 	struct pci_dev *pdev = NULL;
 	int ret;
 
-	ret = alloc_chrdev_region(&fgds_devt, 0, FGDS_MAX_MINORS, "fgds");
+	ret = fgds_mapping_init();
 	if (ret)
 		return ret;
+	ret = alloc_chrdev_region(&fgds_devt, 0, FGDS_MAX_MINORS, "fgds");
+	if (ret)
+		goto err_mapping;
 	fgds_class = fgds_class_create("fgds");
 	if (IS_ERR(fgds_class)) {
 		ret = PTR_ERR(fgds_class);
@@ -285,6 +344,8 @@ err_class:
 	class_destroy(fgds_class);
 err_region:
 	unregister_chrdev_region(fgds_devt, FGDS_MAX_MINORS);
+err_mapping:
+	fgds_mapping_exit();
 	return ret;
 }
 
@@ -300,6 +361,7 @@ static void __exit fgds_exit(void)
 	class_destroy(fgds_class);
 	unregister_chrdev_region(fgds_devt, FGDS_MAX_MINORS);
 	ida_destroy(&fgds_minors);
+	fgds_mapping_exit();
 }
 
 module_init(fgds_init);

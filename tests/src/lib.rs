@@ -1,7 +1,9 @@
-//! The rig's tests: the data pattern shared with the host, a KTAP writer, and helpers for the
+//! The rig's tests: the data pattern shared with the host, a KTAP writer, a sampling profiler,
+//! and helpers for the
 //! in-guest test binaries under `src/bin/`.
 
 pub mod ctl;
 pub mod guest;
 pub mod ktap;
 pub mod pattern;
+pub mod profile;

@@ -29,6 +29,11 @@ pub struct Options {
     /// A small grid (three block sizes, queue depths 1 and 32, two repetitions).
     #[arg(long)]
     pub quick: bool,
+    /// Profile instead of measuring: sample the guest's CPU while `ram` and `direct` read 1 GiB
+    /// (1 MiB qd 1, 4 MiB qd 32) and write where each spends it to
+    /// `target/bench/profile-<kernel>.txt`.
+    #[arg(long, conflicts_with = "quick")]
+    pub profile: bool,
     /// The vgpu exporter's mode.
     #[arg(long, default_value = "plain")]
     pub vgpu_mode: String,
@@ -45,6 +50,8 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         vgpu_mode: opts.vgpu_mode.clone(),
         append: if opts.quick {
             "fgds.bench=quick".to_owned()
+        } else if opts.profile {
+            "fgds.bench=profile".to_owned()
         } else {
             String::new()
         },
@@ -56,6 +63,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         .context("the run left no KTAP log")?;
     let mut rows = Vec::new();
     let mut registration = None;
+    let mut profiles = Vec::new();
     for line in ktap.lines() {
         let Some(json) = line.split("fgds-bench: ").nth(1) else {
             continue;
@@ -66,6 +74,8 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         row["release"] = Value::from(run.release.clone());
         if row["kind"] == "registration" {
             registration = Some(row);
+        } else if row["kind"] == "profile" {
+            profiles.push(row);
         } else {
             rows.push(row);
         }
@@ -74,13 +84,26 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         .outcomes
         .iter()
         .any(|o| matches!(o.verdict, crate::report::Verdict::Fail(_)));
+    let out_dir = crate::project_root().join("target/bench");
+    std::fs::create_dir_all(&out_dir)?;
+    let label = run.spec.replace(':', "-");
+    if opts.profile {
+        if profiles.is_empty() {
+            crate::report::print(run.outcomes);
+            bail!("the guest profiled nothing (see {})", run.run_dir.display());
+        }
+        write_profiles(&profiles, &out_dir, &label)?;
+        return Ok(if failed {
+            crate::report::print(run.outcomes);
+            ExitCode::FAILURE
+        } else {
+            ExitCode::SUCCESS
+        });
+    }
     if rows.is_empty() {
         crate::report::print(run.outcomes);
         bail!("the guest measured nothing (see {})", run.run_dir.display());
     }
-    let out_dir = crate::project_root().join("target/bench");
-    std::fs::create_dir_all(&out_dir)?;
-    let label = run.spec.replace(':', "-");
     let mut all = rows.clone();
     all.extend(registration.clone());
     std::fs::write(
@@ -108,6 +131,99 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Writes the profiles as JSON and as a report (`profile-<label>.json`, `.txt`), and prints
+/// per workload the CPU per GiB of each mode and the functions where `direct` spends more.
+fn write_profiles(profiles: &[Value], out_dir: &Path, label: &str) -> anyhow::Result<()> {
+    use std::fmt::Write as _;
+    std::fs::write(
+        out_dir.join(format!("profile-{label}.json")),
+        serde_json::to_string_pretty(profiles)?,
+    )?;
+    let ms = |v: &Value| v.as_f64().unwrap_or(0.0);
+    let table = |v: &Value| -> BTreeMap<String, f64> {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|e| Some((e[0].as_str()?.to_owned(), ms(&e[1]))))
+            .collect()
+    };
+    let mut report = String::new();
+    let mut summary = String::new();
+    let mut workloads = BTreeMap::<(u64, u64), BTreeMap<String, &Value>>::new();
+    for p in profiles {
+        let key = (
+            p["block_size"].as_u64().unwrap_or(0),
+            p["queue_depth"].as_u64().unwrap_or(0),
+        );
+        workloads
+            .entry(key)
+            .or_default()
+            .insert(p["mode"].as_str().unwrap_or("").to_owned(), p);
+    }
+    for ((bs, qd), modes) in &workloads {
+        let title = format!("read {} qd {}", human(*bs), qd);
+        writeln!(report, "== {title}: guest CPU ms per GiB read ==")?;
+        for (mode, p) in modes {
+            writeln!(
+                report,
+                "{mode:<7} {:8.1} MiB/s  busy {:8.1}  user {:7.1}  (lost samples {})",
+                ms(&p["mib_s"]),
+                ms(&p["busy_ms_per_gib"]),
+                ms(&p["user_ms_per_gib"]),
+                p["lost_samples"]
+            )?;
+        }
+        let (Some(ram), Some(direct)) = (modes.get("ram"), modes.get("direct")) else {
+            continue;
+        };
+        writeln!(
+            summary,
+            "{title}: CPU ms/GiB ram {:.0}, direct {:.0}",
+            ms(&ram["busy_ms_per_gib"]),
+            ms(&direct["busy_ms_per_gib"])
+        )?;
+        let (r, d) = (table(&ram["inclusive"]), table(&direct["inclusive"]));
+        let mut diff = d
+            .iter()
+            .map(|(f, v)| (f.clone(), *v, r.get(f).copied().unwrap_or(0.0)))
+            .collect::<Vec<_>>();
+        diff.sort_by(|a, b| (b.1 - b.2).total_cmp(&(a.1 - a.2)));
+        writeln!(
+            report,
+            "-- inclusive, largest excess of direct over ram (ms/GiB: direct, ram) --"
+        )?;
+        for (f, dv, rv) in diff.iter().take(30) {
+            writeln!(report, "{:>9.1} {:>9.1}  {f}", dv, rv)?;
+        }
+        for (f, dv, rv) in diff.iter().take(5) {
+            writeln!(summary, "  {f}: direct {dv:.0}, ram {rv:.0}")?;
+        }
+        for (mode, p) in modes {
+            writeln!(report, "-- {mode}: self time (ms/GiB) --")?;
+            let mut own = table(&p["self"]).into_iter().collect::<Vec<_>>();
+            own.sort_by(|a, b| b.1.total_cmp(&a.1));
+            for (f, v) in own.iter().take(20) {
+                writeln!(report, "{v:>9.1}  {f}")?;
+            }
+            writeln!(report, "-- {mode}: hottest call chains (ms/GiB) --")?;
+            for e in p["stacks"].as_array().into_iter().flatten().take(12) {
+                writeln!(
+                    report,
+                    "{:>9.1}  {}",
+                    ms(&e[1]),
+                    e[0].as_str().unwrap_or("")
+                )?;
+            }
+        }
+        writeln!(report)?;
+    }
+    let path = out_dir.join(format!("profile-{label}.txt"));
+    std::fs::write(&path, &report)?;
+    print!("{summary}");
+    println!("wrote {} (and .json)", path.display());
+    Ok(())
 }
 
 /// Rows grouped by (op, queue depth, block size), mode -> row.

@@ -12,6 +12,7 @@ use std::time::Instant;
 use anyhow::{Context, ensure};
 use fgds::{Direction, Transfer, TransferConfig};
 use fgds_tests::ktap::{self, Case, CaseResult};
+use fgds_tests::profile;
 
 fn main() {
     ktap::run(&[
@@ -23,14 +24,85 @@ fn main() {
             name: "grid",
             run: grid,
         },
+        Case {
+            name: "profile",
+            run: profile,
+        },
     ])
 }
 
+/// The grid to run: `FGDS_BENCH` (kernel parameter `fgds.bench`): `quick`, `profile`, or
+/// unset for the full grid.
+fn kind() -> String {
+    std::env::var("FGDS_BENCH").unwrap_or_default()
+}
+
 fn quick() -> bool {
-    std::env::var("FGDS_BENCH").is_ok_and(|v| v == "quick")
+    kind() == "quick"
+}
+
+/// Runs `fgds bench` once and returns its JSON rows, one per mode.
+#[allow(clippy::too_many_arguments)]
+fn fgds_bench(
+    nvme: &str,
+    op: &str,
+    bs: u64,
+    qd: u64,
+    total: u64,
+    offset: u64,
+    span: u64,
+    repeat: &str,
+    modes: &[&str],
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    let (bs, qd, total, offset, span) = (
+        bs.to_string(),
+        qd.to_string(),
+        total.to_string(),
+        offset.to_string(),
+        span.to_string(),
+    );
+    let mut args = vec![
+        "bench",
+        "--vgpu",
+        "0",
+        "--file",
+        nvme,
+        "--op",
+        op,
+        "--block-size",
+        &bs,
+        "--queue-depth",
+        &qd,
+        "--total",
+        &total,
+        "--file-offset",
+        &offset,
+        "--span",
+        &span,
+        "--repeat",
+        repeat,
+        "--json",
+    ];
+    for mode in modes {
+        args.extend(["--mode", mode]);
+    }
+    let out = Command::new("/bin/fgds")
+        .args(&args)
+        .output()
+        .context("cannot run /bin/fgds")?;
+    ensure!(
+        out.status.success(),
+        "fgds {} failed: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
 }
 
 fn grid() -> CaseResult {
+    if kind() == "profile" {
+        return ktap::skip("fgds.bench=profile runs only the profile");
+    }
     let nvme = fgds_tests::guest::nvme_path()?
         .to_string_lossy()
         .into_owned();
@@ -62,39 +134,7 @@ fn grid() -> CaseResult {
             for &qd in depths {
                 // Enough bytes for a stable figure, few enough for TCG.
                 let total = (bs * qd * 8).clamp(16 << 20, 256 << 20).max(bs);
-                let args = [
-                    "bench",
-                    "--vgpu",
-                    "0",
-                    "--file",
-                    &nvme,
-                    "--op",
-                    op,
-                    "--block-size",
-                    &bs.to_string(),
-                    "--queue-depth",
-                    &qd.to_string(),
-                    "--total",
-                    &total.to_string(),
-                    "--file-offset",
-                    &offset.to_string(),
-                    "--span",
-                    &span.to_string(),
-                    "--repeat",
-                    repeat,
-                    "--json",
-                ];
-                let out = Command::new("/bin/fgds")
-                    .args(args)
-                    .output()
-                    .context("cannot run /bin/fgds")?;
-                ensure!(
-                    out.status.success(),
-                    "fgds {} failed: {}",
-                    args.join(" "),
-                    String::from_utf8_lossy(&out.stderr)
-                );
-                let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+                let rows = fgds_bench(&nvme, op, bs, qd, total, offset, span, repeat, &[])?;
                 for row in rows {
                     ktap::diag(format_args!("fgds-bench: {row}"));
                 }
@@ -107,6 +147,9 @@ fn grid() -> CaseResult {
 /// REG plus mmap of 1 GiB of GPU memory, and reading 1 GiB into it.
 fn registration_cost() -> CaseResult {
     const GIB: u64 = 1 << 30;
+    if kind() == "profile" {
+        return ktap::skip("fgds.bench=profile runs only the profile");
+    }
     let gpu = fgds::Gpu::list()?
         .into_iter()
         .next()
@@ -143,5 +186,69 @@ fn registration_cost() -> CaseResult {
         "reg_map_fraction_of_read": reg_map_s / read_s,
     });
     ktap::diag(format_args!("fgds-bench: {row}"));
+    ktap::pass()
+}
+
+/// Where the guest's CPU time goes while reading 1 GiB, `ram` against `direct`, at the block
+/// sizes and queue depths of the acceptance: per function, CPU milliseconds per GiB moved.
+fn profile() -> CaseResult {
+    const TOTAL: u64 = 1 << 30;
+    if kind() != "profile" {
+        return ktap::skip("runs with fgds.bench=profile (`cargo xtask bench --profile`)");
+    }
+    let nvme = fgds_tests::guest::nvme_path()?
+        .to_string_lossy()
+        .into_owned();
+    let gib = TOTAL as f64 / (1u64 << 30) as f64;
+    let per_gib = |n: u64| n as f64 * profile::SAMPLE_MS / gib;
+    let top = |v: Vec<(String, u64)>, n: usize| {
+        v.into_iter()
+            .take(n)
+            .map(|(f, c)| serde_json::json!([f, per_gib(c)]))
+            .collect::<Vec<_>>()
+    };
+    for (bs, qd) in [(1u64 << 20, 1u64), (4 << 20, 32)] {
+        for mode in ["ram", "direct"] {
+            let (rows, prof) = profile::profile(|| {
+                fgds_bench(&nvme, "read", bs, qd, TOTAL, 0, 64 << 20, "1", &[mode])
+            })?;
+            let row = serde_json::json!({
+                "kind": "profile",
+                "mode": mode,
+                "op": "read",
+                "block_size": bs,
+                "queue_depth": qd,
+                "total_bytes": TOTAL,
+                "mib_s": rows.first().map(|r| r["mib_s"].clone()),
+                "busy_ms_per_gib": per_gib(prof.busy()),
+                "user_ms_per_gib": per_gib(prof.user),
+                "idle_samples": prof.idle,
+                "lost_samples": prof.lost,
+                "self": top(prof.self_time(), 30),
+                "inclusive": top(prof.inclusive(), 60),
+                "stacks": top(prof.folded(), 25),
+            });
+            ktap::diag(format_args!("fgds-bench: {row}"));
+        }
+    }
+    // What the drive is asked to do in each mode: one 4 MiB read, its requests and commands.
+    for mode in ["ram", "direct"] {
+        let (_, text) = profile::trace(&["block/block_rq_issue", "nvme/nvme_setup_cmd"], || {
+            fgds_bench(
+                &nvme,
+                "read",
+                4 << 20,
+                1,
+                4 << 20,
+                0,
+                64 << 20,
+                "1",
+                &[mode],
+            )
+        })?;
+        for line in text.lines().filter(|l| !l.starts_with('#')).take(40) {
+            ktap::diag(format_args!("trace {mode}: {}", line.trim()));
+        }
+    }
     ktap::pass()
 }
