@@ -41,6 +41,13 @@ fn quick() -> bool {
     kind() == "quick"
 }
 
+/// How much each repetition of `fgds bench` moves.
+#[derive(Clone, Copy)]
+enum Amount {
+    Bytes(u64),
+    Seconds(f64),
+}
+
 /// Runs `fgds bench` once and returns its JSON rows, one per mode.
 #[allow(clippy::too_many_arguments)]
 fn fgds_bench(
@@ -48,16 +55,19 @@ fn fgds_bench(
     op: &str,
     bs: u64,
     qd: u64,
-    total: u64,
+    amount: Amount,
     offset: u64,
     span: u64,
     repeat: &str,
     modes: &[&str],
 ) -> anyhow::Result<Vec<serde_json::Value>> {
-    let (bs, qd, total, offset, span) = (
+    let (amount_flag, amount) = match amount {
+        Amount::Bytes(n) => ("--total", n.to_string()),
+        Amount::Seconds(s) => ("--seconds", s.to_string()),
+    };
+    let (bs, qd, offset, span) = (
         bs.to_string(),
         qd.to_string(),
-        total.to_string(),
         offset.to_string(),
         span.to_string(),
     );
@@ -73,8 +83,8 @@ fn fgds_bench(
         &bs,
         "--queue-depth",
         &qd,
-        "--total",
-        &total,
+        amount_flag,
+        &amount,
         "--file-offset",
         &offset,
         "--span",
@@ -106,8 +116,8 @@ fn grid() -> CaseResult {
     let nvme = fgds_tests::guest::nvme_path()?
         .to_string_lossy()
         .into_owned();
-    let (sizes, depths, repeat): (&[u64], &[u64], &str) = if quick() {
-        (&[64 << 10, 1 << 20, 4 << 20], &[1, 32], "2")
+    let (sizes, depths, repeat, seconds): (&[u64], &[u64], &str, f64) = if quick() {
+        (&[64 << 10, 1 << 20, 4 << 20], &[1, 32], "2", 0.5)
     } else {
         (
             &[
@@ -121,6 +131,7 @@ fn grid() -> CaseResult {
             ],
             &[1, 8, 32],
             "3",
+            1.0,
         )
     };
     for op in ["read", "write"] {
@@ -132,9 +143,9 @@ fn grid() -> CaseResult {
         };
         for &bs in sizes {
             for &qd in depths {
-                // Enough bytes for a stable figure, few enough for TCG.
-                let total = (bs * qd * 8).clamp(16 << 20, 256 << 20).max(bs);
-                let rows = fgds_bench(&nvme, op, bs, qd, total, offset, span, repeat, &[])?;
+                // Long enough that CPU time, counted in 10 ms ticks, is stable.
+                let amount = Amount::Seconds(seconds);
+                let rows = fgds_bench(&nvme, op, bs, qd, amount, offset, span, repeat, &[])?;
                 for row in rows {
                     ktap::diag(format_args!("fgds-bench: {row}"));
                 }
@@ -199,7 +210,8 @@ fn profile() -> CaseResult {
     let nvme = fgds_tests::guest::nvme_path()?
         .to_string_lossy()
         .into_owned();
-    let gib = TOTAL as f64 / (1u64 << 30) as f64;
+    // `fgds bench` moves TOTAL twice: its warm-up repetition, then the measured one.
+    let gib = 2.0 * TOTAL as f64 / (1u64 << 30) as f64;
     let per_gib = |n: u64| n as f64 * profile::SAMPLE_MS / gib;
     let top = |v: Vec<(String, u64)>, n: usize| {
         v.into_iter()
@@ -210,7 +222,17 @@ fn profile() -> CaseResult {
     for (bs, qd) in [(1u64 << 20, 1u64), (4 << 20, 32)] {
         for mode in ["ram", "direct"] {
             let (rows, prof) = profile::profile(|| {
-                fgds_bench(&nvme, "read", bs, qd, TOTAL, 0, 64 << 20, "1", &[mode])
+                fgds_bench(
+                    &nvme,
+                    "read",
+                    bs,
+                    qd,
+                    Amount::Bytes(TOTAL),
+                    0,
+                    64 << 20,
+                    "1",
+                    &[mode],
+                )
             })?;
             let row = serde_json::json!({
                 "kind": "profile",
@@ -218,7 +240,7 @@ fn profile() -> CaseResult {
                 "op": "read",
                 "block_size": bs,
                 "queue_depth": qd,
-                "total_bytes": TOTAL,
+                "total_bytes": 2 * TOTAL,
                 "mib_s": rows.first().map(|r| r["mib_s"].clone()),
                 "busy_ms_per_gib": per_gib(prof.busy()),
                 "user_ms_per_gib": per_gib(prof.user),
@@ -239,7 +261,7 @@ fn profile() -> CaseResult {
                 "read",
                 4 << 20,
                 1,
-                4 << 20,
+                Amount::Bytes(4 << 20),
                 0,
                 64 << 20,
                 "1",

@@ -44,6 +44,10 @@ pub struct Options {
     /// Bytes to move per mode and repetition.
     #[arg(long, default_value_t = 256 << 20)]
     total: u64,
+    /// Run each repetition for this many seconds instead of moving --total bytes (the CPU
+    /// time behind `cpu_s_per_gib` is counted in 10 ms ticks: a second keeps that error small).
+    #[arg(long)]
+    seconds: Option<f64>,
     /// Where in the file the I/O starts.
     #[arg(long, default_value_t = 0)]
     file_offset: u64,
@@ -53,6 +57,10 @@ pub struct Options {
     /// Repetitions of each mode; the median is reported with the spread.
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+    /// Unrecorded repetitions before them, so that first-touch costs (page faults in the guest
+    /// and, under emulation, in the host behind the GPU's memory) are not measured.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
     /// Print JSON (an array, one object per mode).
     #[arg(long)]
     json: bool,
@@ -64,6 +72,7 @@ const MODES: &[&str] = &["ram", "direct", "bounce", "p2pmem"];
 #[derive(Clone, Copy)]
 struct Sample {
     secs: f64,
+    bytes: u64,
     cpu_secs: f64,
     p50_us: f64,
     p99_us: f64,
@@ -111,6 +120,18 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
                 continue;
             }
         };
+        for rep in 0..opts.warmup {
+            eprint!(
+                "\rbench: {mode} {} {} KiB qd {} x{}: warm-up {}/{}   ",
+                opts.op,
+                opts.block_size >> 10,
+                opts.queue_depth,
+                opts.threads,
+                rep + 1,
+                opts.warmup
+            );
+            run_once(&target, &file, opts, write)?;
+        }
         let mut samples = Vec::new();
         for rep in 0..opts.repeat {
             eprint!(
@@ -127,14 +148,13 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         eprintln!();
         let mut rates = samples
             .iter()
-            .map(|s| opts.total as f64 / (1 << 20) as f64 / s.secs)
+            .map(|s| s.bytes as f64 / (1 << 20) as f64 / s.secs)
             .collect::<Vec<_>>();
         rates.sort_by(f64::total_cmp);
         let median = rates[rates.len() / 2];
         let mid = samples[samples.len() / 2];
-        let gib = opts.total as f64 / (1u64 << 30) as f64;
-        let cpu_per_gib =
-            samples.iter().map(|s| s.cpu_secs).sum::<f64>() / samples.len() as f64 / gib;
+        let gib = samples.iter().map(|s| s.bytes).sum::<u64>() as f64 / (1u64 << 30) as f64;
+        let cpu_per_gib = samples.iter().map(|s| s.cpu_secs).sum::<f64>() / gib;
         if mode == "ram" {
             ram_mib_s = Some(median);
         }
@@ -145,8 +165,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "block_size": opts.block_size,
             "queue_depth": opts.queue_depth,
             "threads": opts.threads,
-            "total_bytes": opts.total,
+            "total_bytes": mid.bytes,
             "repetitions": opts.repeat,
+            "warmup": opts.warmup,
             "mib_s": median,
             "mib_s_min": rates[0],
             "mib_s_max": rates[rates.len() - 1],
@@ -351,6 +372,9 @@ fn run_once(target: &Target, file: &File, opts: &Options, write: bool) -> anyhow
     let per_thread = opts.total / opts.threads as u64;
     let cpu0 = machine_cpu_secs();
     let started = Instant::now();
+    let deadline = opts
+        .seconds
+        .map(|s| started + Duration::from_secs_f64(s.max(0.0)));
     let latencies = std::thread::scope(|scope| {
         let handles = (0..opts.threads)
             .map(|t| {
@@ -364,6 +388,7 @@ fn run_once(target: &Target, file: &File, opts: &Options, write: bool) -> anyhow
                         opts,
                         write,
                         per_thread,
+                        deadline,
                         t as u64,
                     )
                 })
@@ -377,6 +402,7 @@ fn run_once(target: &Target, file: &File, opts: &Options, write: bool) -> anyhow
     })?;
     let secs = started.elapsed().as_secs_f64();
     let cpu_secs = machine_cpu_secs() - cpu0;
+    let bytes = latencies.len() as u64 * opts.block_size as u64;
     let mut lat = latencies;
     lat.sort();
     let pct = |p: f64| {
@@ -385,14 +411,16 @@ fn run_once(target: &Target, file: &File, opts: &Options, write: bool) -> anyhow
     };
     Ok(Sample {
         secs,
+        bytes,
         cpu_secs,
         p50_us: pct(0.5),
         p99_us: pct(0.99),
     })
 }
 
-/// One thread's share: `bytes` in requests of `block_size`, `queue_depth` at a time, into its
-/// region at `base` (`region_offset` into the target). Returns each request's latency.
+/// One thread's share: `bytes` (or until `deadline`) in requests of `block_size`, `queue_depth`
+/// at a time, into its region at `base` (`region_offset` into the target). Returns each
+/// request's latency.
 #[allow(clippy::too_many_arguments)]
 fn thread_io(
     target: &Target,
@@ -402,14 +430,19 @@ fn thread_io(
     opts: &Options,
     write: bool,
     bytes: u64,
+    deadline: Option<Instant>,
     thread: u64,
 ) -> anyhow::Result<Vec<Duration>> {
     let bs = opts.block_size;
     let region = region_len(opts);
-    let n_requests = bytes.div_ceil(bs as u64);
+    let n_requests = match deadline {
+        Some(_) => u64::MAX,
+        None => bytes.div_ceil(bs as u64),
+    };
+    let more = |next: u64| next < n_requests && deadline.is_none_or(|d| Instant::now() < d);
     let mut ring = IoUring::new(opts.queue_depth.next_power_of_two() as u32)?;
     let mut issued_at = vec![Instant::now(); opts.queue_depth];
-    let mut latencies = Vec::with_capacity(n_requests as usize);
+    let mut latencies = Vec::new();
     let mut next = 0u64;
     let mut in_flight = 0;
     let fd = types::Fd(file.as_raw_fd());
@@ -436,7 +469,7 @@ fn thread_io(
             .map_err(|_| anyhow::format_err!("submission queue full"))?;
         Ok(())
     };
-    while next < n_requests && in_flight < opts.queue_depth {
+    while more(next) && in_flight < opts.queue_depth {
         issued_at[in_flight] = Instant::now();
         submit(&mut ring, in_flight, next)?;
         next += 1;
@@ -470,7 +503,7 @@ fn thread_io(
                 gpu.write(at, src);
             }
             latencies.push(issued_at[slot].elapsed());
-            if next < n_requests {
+            if more(next) {
                 issued_at[slot] = Instant::now();
                 submit(&mut ring, slot, next)?;
                 next += 1;
