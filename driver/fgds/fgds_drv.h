@@ -56,6 +56,8 @@ enum fgds_mode {
  * @nr_bufs: registrations counted in sysfs "buffers"
  * @nr_bytes: bytes counted in sysfs "bytes" and against max_bytes_per_gpu
  * @pgmap: GENERIC mode: the pagemap fgds created
+ * @order: pages per folio of the provider, as a power of two (GENERIC pages
+ *	are 2 MiB folios; all others single pages)
  * @memtype_wc: fgds holds a write-combine memory type reservation on the BAR
  * @p2p_claim: P2PDMA mode: kernel address of the whole-BAR genpool claim
  * @p2p_group: P2PDMA mode: devres group on @pdev holding the P2PDMA resource
@@ -65,8 +67,11 @@ enum fgds_mode {
  *	driver unbinds)
  * @holds_lock: protects @holds, @nr_held and every buffer's @holding; taken
  *	after @lock and after dmabuf->resv
- * @holds: BAR page index -> number of registrations holding that page
- * @nr_held: pages on which fgds holds its own reference
+ * @holds: exporter's P2PDMA mode: BAR page index -> number of registrations
+ *	holding that page
+ * @nr_held: exporter's P2PDMA mode: pages on which fgds holds its own
+ *	reference; other modes: registrations not yet quiet (fgds holds every
+ *	page for as long as the provider exists)
  * @reaper: retries giving back the page references of revoked buffers and
  *	of @zombies
  */
@@ -89,6 +94,7 @@ struct fgds_gpu {
 	unsigned long nr_bufs;
 	u64 nr_bytes;
 	struct dev_pagemap *pgmap;
+	unsigned int order;
 	bool memtype_wc;
 	void *p2p_claim;
 	void *p2p_group;

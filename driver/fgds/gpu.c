@@ -24,19 +24,30 @@
  * Page references: P2PDMA pages return to their genpool when their refcount
  * reaches zero, so a page fgds may map must never drop to zero through
  * put_page() behind the allocator's back. fgds therefore holds one reference
- * of its own on every page that at least one registration covers (counted per
- * page in gpu->holds), takes it with page_ref_inc() and gives it back with
- * page_ref_dec() only once the page is quiet: no references left but the
- * page's idle count, fgds's own, and one per PTE. PTEs are only created by
- * fgds's fault handler and removed by zapping; GUP pins of in-flight I/O are
- * the only other references, so "quiet" means "no I/O in flight".
+ * of its own on every folio it may map, takes it with folio_ref_inc() and
+ * gives it back with folio_ref_dec() only once the folio is quiet: no
+ * references left but its idle count, fgds's own, and one per PTE. PTEs are
+ * only created by fgds's fault handler and removed by zapping; GUP pins of
+ * in-flight I/O are the only other references, so "quiet" means "no I/O in
+ * flight".
  *
- * While fgds holds a page, page->mapping is fgds_mapping (cleared before the
- * reference goes). GUP-fast refuses an order-0 page without a mapping (it
- * cannot rule out secretmem, mm/gup.c gup_fast_folio_allowed()) and falls
- * back to walking the page tables page by page under mmap_lock, which cost a
- * 1 MiB read into GPU memory as much guest CPU as the rest of the I/O. The
- * mapping's dirty_folio is noop_dirty_folio(), for bio_set_pages_dirty().
+ * In modes 2 and 3 every page of the BAR is fgds's: it takes its reference
+ * on every folio when it sets the provider up and gives them back when it
+ * tears it down, so a registration costs no per-page work. In mode 1 the
+ * pages are the exporter's, and fgds holds only those that at least one
+ * registration covers, counted per page in gpu->holds.
+ *
+ * GENERIC pages are compound, one folio per 2 MiB (pgmap->vmemmap_shift), so
+ * that the block layer pins, dirties and unpins a 2 MiB run as one folio, as
+ * it does for a transparent huge page in RAM.
+ *
+ * While fgds holds a folio, folio->mapping is fgds_mapping (cleared before
+ * the reference goes), as device-dax does. GUP-fast refuses an order-0 page
+ * without a mapping (it cannot rule out secretmem, mm/gup.c
+ * gup_fast_folio_allowed()) and falls back to walking the page tables page by
+ * page under mmap_lock, which cost a 1 MiB read into GPU memory as much guest
+ * CPU as the rest of the I/O. The mapping's dirty_folio is noop_dirty_folio(),
+ * for bio_set_pages_dirty().
  */
 
 #include <linux/delay.h>
@@ -73,6 +84,56 @@ static unsigned long fgds_bar_pfn(struct fgds_gpu *gpu)
 struct page *fgds_gpu_page(struct fgds_gpu *gpu, pgoff_t bar_pg)
 {
 	return pfn_to_page(fgds_bar_pfn(gpu) + bar_pg);
+}
+
+/* The folio of BAR unit @unit (units are gpu->order pages). */
+static struct folio *fgds_unit_folio(struct fgds_gpu *gpu, pgoff_t unit)
+{
+	return page_folio(fgds_gpu_page(gpu, unit << gpu->order));
+}
+
+/* Modes 2 and 3: fgds created the pages and holds all of them. */
+static bool fgds_owns_pages(struct fgds_gpu *gpu)
+{
+	return gpu->mode == FGDS_MODE_P2PDMA || gpu->mode == FGDS_MODE_GENERIC;
+}
+
+/*
+ * Takes fgds's reference on every folio of the BAR (modes 2 and 3), once per
+ * provider: nothing can reach the pages before the provider is published.
+ */
+static void fgds_pages_claim(struct fgds_gpu *gpu)
+{
+	pgoff_t unit, n = PHYS_PFN(gpu->bar_len) >> gpu->order;
+	struct folio *folio;
+
+	for (unit = 0; unit < n; unit++) {
+		folio = fgds_unit_folio(gpu, unit);
+		folio_ref_inc(folio);
+		fgds_folio_set_mapping(folio, fgds_mapping);
+		if (!(unit & 1023))
+			cond_resched();
+	}
+}
+
+/*
+ * Gives back what fgds_pages_claim() took, or with @leak only the mappings:
+ * pages still pinned then keep fgds's reference for good.
+ */
+static void fgds_pages_unclaim(struct fgds_gpu *gpu, bool leak)
+{
+	pgoff_t unit, n = PHYS_PFN(gpu->bar_len) >> gpu->order;
+	struct folio *folio;
+
+	for (unit = 0; unit < n; unit++) {
+		folio = fgds_unit_folio(gpu, unit);
+		fgds_folio_set_mapping(folio, NULL);
+		/* Never folio_put(): a P2PDMA page would go back to its pool. */
+		if (!leak)
+			folio_ref_dec(folio);
+		if (!(unit & 1023))
+			cond_resched();
+	}
 }
 
 /*
@@ -266,6 +327,9 @@ static int fgds_setup_generic(struct fgds_gpu *gpu)
 	pgmap->range.end = gpu->bar_start + gpu->bar_len - 1;
 	pgmap->nr_range = 1;
 	pgmap->type = MEMORY_DEVICE_GENERIC;
+	/* BARs are aligned to their size, which is at least FGDS_MIN_BAR_SIZE. */
+	if (IS_ALIGNED(gpu->bar_start | gpu->bar_len, PMD_SIZE))
+		pgmap->vmemmap_shift = PMD_SHIFT - PAGE_SHIFT;
 	addr = memremap_pages(pgmap, dev_to_node(&gpu->pdev->dev));
 	if (IS_ERR(addr)) {
 		ret = PTR_ERR(addr);
@@ -274,6 +338,7 @@ static int fgds_setup_generic(struct fgds_gpu *gpu)
 		goto err_free;
 	}
 	gpu->pgmap = pgmap;
+	gpu->order = pgmap->vmemmap_shift;
 	return 0;
 
 err_free:
@@ -330,8 +395,11 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 		return ret;
 
 	WRITE_ONCE(gpu->mode, mode);
-	pci_info(gpu->pdev, "fgds: %s pages over BAR %d (%pa bytes)\n",
-		 fgds_mode_name(mode), gpu->bar, &gpu->bar_len);
+	if (fgds_owns_pages(gpu))
+		fgds_pages_claim(gpu);
+	pci_info(gpu->pdev, "fgds: %s pages over BAR %d (%pa bytes, %lu KiB folios)\n",
+		 fgds_mode_name(mode), gpu->bar, &gpu->bar_len,
+		 PAGE_SIZE << gpu->order >> 10);
 	return 0;
 }
 
@@ -384,7 +452,7 @@ static void fgds_hold_put_one(struct fgds_gpu *gpu, pgoff_t pg)
 {
 	void *entry = xa_load(&gpu->holds, pg);
 	unsigned long n = entry ? xa_to_value(entry) : 0;
-	struct page *page;
+	struct folio *folio;
 
 	if (WARN_ON_ONCE(!n))
 		return;
@@ -393,10 +461,10 @@ static void fgds_hold_put_one(struct fgds_gpu *gpu, pgoff_t pg)
 		return;
 	}
 	xa_erase(&gpu->holds, pg);
-	page = fgds_gpu_page(gpu, pg);
-	WRITE_ONCE(page->mapping, NULL);
-	/* Never put_page(): a P2PDMA page would go back to its pool. */
-	page_ref_dec(page);
+	folio = page_folio(fgds_gpu_page(gpu, pg));
+	fgds_folio_set_mapping(folio, NULL);
+	/* Never folio_put(): a P2PDMA page would go back to its pool. */
+	folio_ref_dec(folio);
 	gpu->nr_held--;
 }
 
@@ -404,16 +472,16 @@ static int fgds_hold_get_one(struct fgds_gpu *gpu, pgoff_t pg)
 {
 	void *entry = xa_load(&gpu->holds, pg);
 	unsigned long n = entry ? xa_to_value(entry) : 0;
-	struct page *page;
+	struct folio *folio;
 	int ret;
 
 	ret = xa_err(xa_store(&gpu->holds, pg, xa_mk_value(n + 1), GFP_KERNEL));
 	if (ret)
 		return ret;
 	if (!n) {
-		page = fgds_gpu_page(gpu, pg);
-		page_ref_inc(page);
-		WRITE_ONCE(page->mapping, fgds_mapping);
+		folio = page_folio(fgds_gpu_page(gpu, pg));
+		folio_ref_inc(folio);
+		fgds_folio_set_mapping(folio, fgds_mapping);
 		gpu->nr_held++;
 	}
 	return 0;
@@ -426,6 +494,10 @@ static void fgds_holds_put_locked(struct fgds_gpu *gpu,
 	unsigned int e;
 	pgoff_t i;
 
+	if (fgds_owns_pages(gpu)) {
+		gpu->nr_held--;
+		return;
+	}
 	for (e = 0; e < nr_ext; e++)
 		for (i = 0; i < ext[e].npages; i++)
 			fgds_hold_put_one(gpu, ext[e].bar_pg + i);
@@ -437,6 +509,9 @@ static void fgds_holds_put_locked(struct fgds_gpu *gpu,
  * @ext: the registration's extents
  * @nr_ext: number of extents
  *
+ * In modes 2 and 3 fgds holds every page already: the registration is only
+ * counted, so that the provider is not torn down under it.
+ *
  * Return: 0 or -ENOMEM; on error nothing is held.
  */
 int fgds_holds_get(struct fgds_gpu *gpu, const struct fgds_extent *ext,
@@ -447,6 +522,11 @@ int fgds_holds_get(struct fgds_gpu *gpu, const struct fgds_extent *ext,
 	int ret = 0;
 
 	mutex_lock(&gpu->holds_lock);
+	if (fgds_owns_pages(gpu)) {
+		gpu->nr_held++;
+		mutex_unlock(&gpu->holds_lock);
+		return 0;
+	}
 	for (e = 0; e < nr_ext; e++) {
 		for (i = 0; i < ext[e].npages; i++) {
 			ret = fgds_hold_get_one(gpu, ext[e].bar_pg + i);
@@ -471,27 +551,31 @@ unwind:
  * @ext: the registration's extents
  * @nr_ext: number of extents
  *
- * A page is quiet when its only references are its idle count, fgds's own
- * and one per PTE mapping it. Reading the refcount and the mapcount is not
- * atomic, but every transition (PTE insertion takes the reference before the
- * mapcount, zapping drops the mapcount before the reference) errs towards
- * "not quiet".
+ * A folio is quiet when its only references are its idle count, fgds's own
+ * and one per PTE mapping one of its pages. Reading the refcount and the
+ * mapcount is not atomic, but every transition (PTE insertion takes the
+ * reference before the mapcount, zapping drops the mapcount before the
+ * reference) errs towards "not quiet". A compound folio only partly covered
+ * by the registration counts as a whole: pins of I/O into its other pages
+ * make it look busy, never quiet too early.
  *
- * Return: true when no page of the registration is pinned by I/O.
+ * Return: true when no folio of the registration is pinned by I/O.
  */
 bool fgds_pages_quiet(struct fgds_gpu *gpu, const struct fgds_extent *ext,
 		      unsigned int nr_ext)
 {
 	int idle = fgds_idle_refs(gpu) + 1;
-	struct page *page;
+	struct folio *folio;
+	pgoff_t unit, last;
 	unsigned int e;
-	pgoff_t i;
 
 	for (e = 0; e < nr_ext; e++) {
-		for (i = 0; i < ext[e].npages; i++) {
-			page = fgds_gpu_page(gpu, ext[e].bar_pg + i);
-			if (page_ref_count(page) - fgds_page_mapcount(page) >
-			    idle)
+		unit = ext[e].bar_pg >> gpu->order;
+		last = (ext[e].bar_pg + ext[e].npages - 1) >> gpu->order;
+		for (; unit <= last; unit++) {
+			folio = fgds_unit_folio(gpu, unit);
+			if (folio_ref_count(folio) -
+			    fgds_folio_mapcount(folio) > idle)
 				return false;
 		}
 	}
@@ -678,9 +762,14 @@ static void fgds_holds_forget(struct fgds_gpu *gpu)
 	unsigned long pg;
 	void *entry;
 
+	if (fgds_owns_pages(gpu)) {
+		fgds_pages_unclaim(gpu, true);
+		return;
+	}
 	mutex_lock(&gpu->holds_lock);
 	xa_for_each(&gpu->holds, pg, entry)
-		WRITE_ONCE(fgds_gpu_page(gpu, pg)->mapping, NULL);
+		fgds_folio_set_mapping(page_folio(fgds_gpu_page(gpu, pg)),
+				       NULL);
 	mutex_unlock(&gpu->holds_lock);
 }
 
@@ -708,10 +797,13 @@ void fgds_gpu_teardown_pages(struct fgds_gpu *gpu)
 		fgds_holds_forget(gpu);
 		gpu->pgmap = NULL;
 		gpu->memtype_wc = false;
+		gpu->order = 0;
 		WRITE_ONCE(gpu->mode, FGDS_MODE_NONE);
 		return;
 	}
 
+	if (fgds_owns_pages(gpu))
+		fgds_pages_unclaim(gpu, false);
 	switch (gpu->mode) {
 	case FGDS_MODE_GENERIC:
 		memunmap_pages(gpu->pgmap);
@@ -727,6 +819,7 @@ void fgds_gpu_teardown_pages(struct fgds_gpu *gpu)
 	}
 	pci_info(gpu->pdev, "fgds: %s pages released\n",
 		 fgds_mode_name(gpu->mode));
+	gpu->order = 0;
 	WRITE_ONCE(gpu->mode, FGDS_MODE_NONE);
 }
 

@@ -180,13 +180,37 @@ static inline struct dev_pagemap *fgds_get_dev_pagemap(unsigned long pfn)
 #endif
 #define FGDS_GENERIC_IDLE_REFS 1
 
-/* PTEs mapping a small page; folio_mapcount() is not exported in 6.1. */
-static inline int fgds_page_mapcount(struct page *page)
+/*
+ * PTEs mapping the pages of a folio. folio_mapcount() is not exported in
+ * 6.1, where page_mapcount() of a PTE-mapped page of a compound folio counts
+ * that page's PTEs.
+ */
+static inline int fgds_folio_mapcount(struct folio *folio)
 {
 #if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)
-	return folio_mapcount(page_folio(page));
+	return folio_mapcount(folio);
 #else
-	return page_mapcount(page);
+	long i, n = folio_nr_pages(folio);
+	int sum = 0;
+
+	for (i = 0; i < n; i++)
+		sum += page_mapcount(folio_page(folio, i));
+	return sum;
+#endif
+}
+
+/*
+ * folio->mapping of a folio fgds holds. From 6.5 GUP-fast refuses an order-0
+ * page without a mapping (gup_fast_folio_allowed(): it cannot rule out
+ * secretmem); 6.1 only refuses a secretmem mapping, and its
+ * page_add_file_rmap() wants the folio locked once a compound folio has a
+ * mapping, so there fgds leaves it NULL.
+ */
+static inline void fgds_folio_set_mapping(struct folio *folio,
+					  struct address_space *mapping)
+{
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)
+	WRITE_ONCE(folio->mapping, mapping);
 #endif
 }
 

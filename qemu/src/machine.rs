@@ -115,6 +115,18 @@ pub fn args(config: &Config) -> Vec<String> {
         "none",
     ]);
     push(&["-cpu", cpu_model(config)]);
+    // A debugging aid: QEMU's own trace events (`qemu-system-x86_64 -trace help`), written
+    // next to the run's other files.
+    if let Some(pattern) = std::env::var_os("FGDS_QEMU_TRACE") {
+        push(&[
+            "-trace",
+            &format!(
+                "enable={},file={}",
+                pattern.to_string_lossy(),
+                path(&config.run_dir.join("qemu-trace.log"))
+            ),
+        ]);
+    }
     push(&[
         "-smp",
         &config.cpus.to_string(),

@@ -111,6 +111,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         serde_json::to_string_pretty(&all)?,
     )?;
     print_table(&rows);
+    print_targets(&rows);
     if let Some(reg) = &registration {
         let read = reg["read_1gib_s"].as_f64().unwrap_or(0.0);
         let pct =
@@ -282,6 +283,52 @@ fn print_table(rows: &[Value]) {
     println!(
         "(direct, bounce, p2pmem: throughput as a ratio of ram in the same run; CPU: guest CPU s per GiB)"
     );
+}
+
+/// The read figures issue 6 sets targets for, from this run: direct against ram at 1 and 4 MiB
+/// (queue depths 1 and 32), direct against bounce at every block size, and CPU per GiB of
+/// direct against ram at 1 MiB and above. Each line lists the worst case first.
+fn print_targets(rows: &[Value]) {
+    let mut speed = Vec::new();
+    let mut over_bounce = Vec::new();
+    let mut cpu = Vec::new();
+    for ((op, qd, bs), modes) in grid(rows) {
+        if op != "read" {
+            continue;
+        }
+        let get = |m: &str, k: &str| modes.get(m).and_then(|r| r[k].as_f64());
+        let at = format!("{} qd{qd}", human(bs));
+        if let (Some(d), Some(r)) = (get("direct", "mib_s"), get("ram", "mib_s"))
+            && (bs == 1 << 20 || bs == 4 << 20)
+            && (qd == 1 || qd == 32)
+        {
+            speed.push((d / r, at.clone()));
+        }
+        if let (Some(d), Some(b)) = (get("direct", "mib_s"), get("bounce", "mib_s")) {
+            over_bounce.push((d / b, at.clone()));
+        }
+        if let (Some(d), Some(r)) = (get("direct", "cpu_s_per_gib"), get("ram", "cpu_s_per_gib"))
+            && bs >= 1 << 20
+            && r > 0.0
+        {
+            cpu.push((d / r, at));
+        }
+    }
+    let line = |what: &str, mut v: Vec<(f64, String)>, worst_is_low: bool, target: &str| {
+        v.sort_by(|a, b| a.0.total_cmp(&b.0));
+        if !worst_is_low {
+            v.reverse();
+        }
+        let shown = v
+            .iter()
+            .map(|(x, at)| format!("{x:.2} ({at})"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        println!("{what} [{target}]: {shown}");
+    };
+    line("read direct/ram", speed, true, "target >= 0.95");
+    line("read direct/bounce", over_bounce, true, "target > 1");
+    line("read CPU direct/ram", cpu, false, "target <= 1.2");
 }
 
 /// Block sizes are powers of two: the plots' x axis is their log2, labelled in bytes.
