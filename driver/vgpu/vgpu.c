@@ -59,8 +59,9 @@
  * Memory: BAR2 of the ivshmem device. In ``plain`` mode vgpu keeps its own
  * genalloc pool over the BAR's physical range; the BAR has no struct pages,
  * like VRAM on a real GPU. In ``p2pdma`` mode vgpu registers the BAR with
- * pci_p2pdma_add_resource() (not published, so no other driver picks it up
- * through pci_p2pmem_find()) and allocates from the P2PDMA pool, so buffers
+ * pci_p2pdma_add_resource() (not published unless publish=1, so no other
+ * driver picks it up through pci_p2pmem_find() and userspace cannot take it
+ * from p2pmem/allocate) and allocates from the P2PDMA pool, so buffers
  * have P2PDMA struct pages owned by vgpu that an importer such as fgds can
  * reuse. Either way a buffer is one contiguous BAR range.
  *
@@ -208,6 +209,10 @@ struct vgpu_mapping {
 static char *mode = "plain";
 module_param(mode, charp, 0444);
 MODULE_PARM_DESC(mode, "BAR2 memory: \"plain\" (no struct pages, default) or \"p2pdma\" (P2PDMA pages owned by vgpu; needs CONFIG_PCI_P2PDMA)");
+
+static bool publish;
+module_param(publish, bool, 0444);
+MODULE_PARM_DESC(publish, "mode=p2pdma: also publish the P2PDMA memory, so that userspace can take it from p2pmem/allocate in sysfs (the benchmark's p2pmem mode; default off)");
 
 static unsigned int revoke_timeout_ms = 10000;
 module_param(revoke_timeout_ms, uint, 0644);
@@ -1152,13 +1157,15 @@ static int vgpu_setup_p2pdma(struct vgpu_device *vgpu)
 		return -EINVAL;
 	}
 
-	/* Registered, not published: only vgpu allocates from this pool. */
+	/* Not published unless asked: then only vgpu allocates from the pool. */
 	ret = pci_p2pdma_add_resource(pdev, VGPU_BAR, 0, 0);
 	if (ret) {
 		pci_err(pdev, "cannot register BAR2 as P2PDMA memory (%d)\n",
 			ret);
 		return ret;
 	}
+	if (publish)
+		pci_p2pmem_publish(pdev, true);
 
 #if FGDS_HAVE_P2PDMA_PROVIDER
 	vgpu->provider = pcim_p2pdma_provider(pdev, VGPU_BAR);

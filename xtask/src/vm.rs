@@ -320,6 +320,8 @@ fn nvme_errors() -> Vec<machine::InjectError> {
 
 fn module_params(name: &str, opts: &Options) -> String {
     match name {
+        // Published P2PDMA memory gives `fgds bench` its upstream `p2pmem` mode to compare.
+        "vgpu" if opts.vgpu_mode == "p2pdma" => "mode=p2pdma publish=1".to_owned(),
         "vgpu" => format!("mode={}", opts.vgpu_mode),
         "fgds" => "devices=@ivshmem@".to_owned(),
         _ => String::new(),
