@@ -57,7 +57,7 @@ static DEFINE_MUTEX(fgds_lock);
 
 /*
  * The address_space of every open file of every node, and the ->mapping of
- * every page fgds maps (see fgds_hold_get_one()), as device-dax does it: an
+ * every folio fgds holds (see the top of gpu.c), as device-dax does it: an
  * inode of a private pseudo filesystem whose mapping marks pages dirty
  * without writeback.
  */

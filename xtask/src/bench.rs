@@ -93,12 +93,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
             bail!("the guest profiled nothing (see {})", run.run_dir.display());
         }
         write_profiles(&profiles, &out_dir, &label)?;
-        return Ok(if failed {
-            crate::report::print(run.outcomes);
-            ExitCode::FAILURE
-        } else {
-            ExitCode::SUCCESS
-        });
+        return Ok(exit_code(run.outcomes, failed));
     }
     if rows.is_empty() {
         crate::report::print(run.outcomes);
@@ -132,11 +127,16 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         plots,
         out_dir.display()
     );
-    if failed {
-        crate::report::print(run.outcomes);
-        return Ok(ExitCode::FAILURE);
+    Ok(exit_code(run.outcomes, failed))
+}
+
+/// Success, or the run's verdicts printed and failure when a test failed.
+fn exit_code(outcomes: Vec<crate::report::Outcome>, failed: bool) -> ExitCode {
+    if !failed {
+        return ExitCode::SUCCESS;
     }
-    Ok(ExitCode::SUCCESS)
+    crate::report::print(outcomes);
+    ExitCode::FAILURE
 }
 
 /// Writes the profiles as JSON and as a report (`profile-<label>.json`, `.txt`), and prints
