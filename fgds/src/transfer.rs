@@ -1,5 +1,10 @@
 //! Large direct I/O through io_uring: a range is split into sub-requests of `chunk_size`, with
 //! up to `queue_depth` in flight.
+//!
+//! A buffer registered with [`Transfer::register_buffer`] is an io_uring fixed buffer: the
+//! kernel pins its pages once, instead of once per request (`pin_user_pages_fast()`, a page at
+//! a time with interrupts off), which is most of what a large read into GPU memory would
+//! otherwise cost the CPU (docs/performance.md).
 
 use std::fs::File;
 use std::ops::Range;
@@ -44,15 +49,20 @@ pub enum Direction {
 /// let buffer = buffer();
 /// let file = fgds::open_direct("/data/shard-0.bin".as_ref(), false)?;
 /// let mut transfer = Transfer::new(TransferConfig::DEFAULT)?;
+/// if let Err(err) = transfer.register_buffer(&buffer) {
+///     println!("requests will pin their pages one by one: {err}");
+/// }
 /// match transfer.run(Direction::Read, &buffer, 0..buffer.len(), &file, 0) {
 ///     Ok(n) => println!("{n} bytes in GPU memory"),
 ///     Err(err) => println!("the first {} bytes arrived, then: {err}", err.bytes_done()),
 /// }
 /// # Ok::<(), fgds::Error>(())
 /// ```
-pub struct Transfer {
+pub struct Transfer<'b> {
     ring: IoUring,
     config: TransferConfig,
+    /// The buffer registered as the ring's fixed buffer 0, if any.
+    fixed: Option<&'b Buffer>,
 }
 
 /// What one `run` call moves, shared by its sub-requests.
@@ -71,8 +81,8 @@ struct Chunk {
     done: usize,
 }
 
-impl Transfer {
-    pub fn new(config: TransferConfig) -> Result<Transfer> {
+impl<'b> Transfer<'b> {
+    pub fn new(config: TransferConfig) -> Result<Transfer<'b>> {
         if config.chunk_size == 0 || config.queue_depth == 0 {
             return Err(Error::Invalid(format!(
                 "chunk size and queue depth must be non-zero: {config:?}"
@@ -85,7 +95,40 @@ impl Transfer {
                 len: 0,
                 source,
             })?;
-        Ok(Transfer { ring, config })
+        Ok(Transfer {
+            ring,
+            config,
+            fixed: None,
+        })
+    }
+
+    /// Registers `buffer` as the ring's fixed buffer, so that `run` on it pins nothing per
+    /// request. The pages stay pinned until the `Transfer` is dropped.
+    ///
+    /// Fails where the kernel will not pin the buffer's pages long-term: P2PDMA pages (Linux
+    /// 7.x, `fgds list` mode `p2pdma` or `exporter-p2pdma`) give `EREMOTEIO`, and without
+    /// `CAP_IPC_LOCK` the pinned bytes count against `RLIMIT_MEMLOCK` (`ENOMEM`). The
+    /// `Transfer` is unchanged then and works as before.
+    pub fn register_buffer(&mut self, buffer: &'b Buffer) -> Result<()> {
+        if self.fixed.is_some() {
+            return Err(Error::Invalid(
+                "this Transfer already has a fixed buffer: use one Transfer per buffer".to_owned(),
+            ));
+        }
+        let iov = libc::iovec {
+            iov_base: buffer.as_ptr().cast(),
+            iov_len: buffer.len(),
+        };
+        // SAFETY: `buffer` is mapped for `'b`, which outlives the ring, and `Drop` unregisters
+        // it before the ring goes.
+        unsafe { self.ring.submitter().register_buffers(&[iov]) }.map_err(|source| Error::Io {
+            op: "io_uring fixed buffer registration",
+            done: 0,
+            len: buffer.len() as u64,
+            source,
+        })?;
+        self.fixed = Some(buffer);
+        Ok(())
     }
 
     /// Moves `range` of `buffer` to or from `file` at `file_offset`; returns the bytes moved.
@@ -210,9 +253,16 @@ impl Transfer {
         let len = (chunk.len - chunk.done) as u32;
         let file_off = file_offset + (chunk.start + chunk.done) as u64;
         let fd = types::Fd(file.as_raw_fd());
-        let sqe = match dir {
-            Direction::Read => opcode::Read::new(fd, ptr, len).offset(file_off).build(),
-            Direction::Write => opcode::Write::new(fd, ptr, len).offset(file_off).build(),
+        let fixed = self.fixed.is_some_and(|b| std::ptr::eq(b, job.buffer));
+        let sqe = match (dir, fixed) {
+            (Direction::Read, true) => opcode::ReadFixed::new(fd, ptr, len, 0)
+                .offset(file_off)
+                .build(),
+            (Direction::Read, false) => opcode::Read::new(fd, ptr, len).offset(file_off).build(),
+            (Direction::Write, true) => opcode::WriteFixed::new(fd, ptr, len, 0)
+                .offset(file_off)
+                .build(),
+            (Direction::Write, false) => opcode::Write::new(fd, ptr, len).offset(file_off).build(),
         }
         .user_data(index as u64);
         // SAFETY: the buffer and file outlive the request: `run` waits for every completion
@@ -220,5 +270,15 @@ impl Transfer {
         unsafe { self.ring.submission().push(&sqe) }
             .map_err(|_| Error::Invalid("io_uring submission queue is full".to_owned()))?;
         Ok(())
+    }
+}
+
+impl Drop for Transfer<'_> {
+    fn drop(&mut self) {
+        if self.fixed.is_some() {
+            // Unpins the pages now; the kernel would otherwise do it later, from a worker,
+            // after the buffer may already be gone.
+            let _ = self.ring.submitter().unregister_buffers();
+        }
     }
 }

@@ -106,6 +106,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         serde_json::to_string_pretty(&all)?,
     )?;
     print_table(&rows);
+    print_fixed_buffers(&rows);
     print_targets(&rows);
     if let Some(reg) = &registration {
         let read = reg["read_1gib_s"].as_f64().unwrap_or(0.0);
@@ -119,6 +120,17 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
             reg["first_reg_map_s"].as_f64().unwrap_or(0.0),
             pct("first_reg_map_s"),
         );
+        match (
+            reg["fixed_buffer_s"].as_f64(),
+            reg["fixed_buffer_refused"].as_str(),
+        ) {
+            (Some(s), _) => println!(
+                "registration: io_uring fixed buffer of the 1 GiB (pins it once) {s:.4} s ({:.2}%)",
+                pct("fixed_buffer_s")
+            ),
+            (None, Some(why)) => println!("registration: no io_uring fixed buffer: {why}"),
+            (None, None) => {}
+        }
     }
     let plots = plot(&rows, &out_dir, &label)?;
     println!(
@@ -128,6 +140,33 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         out_dir.display()
     );
     Ok(exit_code(run.outcomes, failed))
+}
+
+/// Which modes read and wrote through io_uring fixed buffers (pinned once), and why the others
+/// did not: a mode without them pins its pages on every request.
+fn print_fixed_buffers(rows: &[serde_json::Value]) {
+    let mut modes: Vec<(String, Option<String>)> = Vec::new();
+    for row in rows {
+        let Some(mode) = row["mode"].as_str() else {
+            continue;
+        };
+        if row["skipped"].is_string() || modes.iter().any(|(m, _)| m == mode) {
+            continue;
+        }
+        let refused = row["fixed_buffers_refused"].as_str().map(str::to_owned);
+        modes.push((mode.to_owned(), refused));
+    }
+    let with = modes
+        .iter()
+        .filter(|(_, r)| r.is_none())
+        .map(|(m, _)| m.as_str())
+        .collect::<Vec<_>>();
+    println!("io_uring fixed buffers: {}", with.join(", "));
+    for (mode, why) in &modes {
+        if let Some(why) = why {
+            println!("  {mode}: none ({why})");
+        }
+    }
 }
 
 /// Success, or the run's verdicts printed and failure when a test failed.

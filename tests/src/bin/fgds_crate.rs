@@ -1,6 +1,7 @@
 //! The userspace crate against the real driver: registration and synchronous I/O, the io_uring
 //! `Transfer` with its exact partial-completion report on a drive error, and the alignment
-//! checks that fail before the kernel is asked.
+//! checks that fail before the kernel is asked; the `Transfer` with the buffer as an io_uring
+//! fixed buffer, where the kernel pins it long-term.
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
@@ -24,6 +25,10 @@ fn main() {
         Case {
             name: "transfer_reports_partial_completion",
             run: transfer_reports_partial_completion,
+        },
+        Case {
+            name: "transfer_through_a_fixed_buffer",
+            run: transfer_through_a_fixed_buffer,
         },
         Case {
             name: "misaligned_io_refused_before_the_kernel",
@@ -108,6 +113,57 @@ fn transfer_reports_partial_completion() -> CaseResult {
     transfer
         .run(Direction::Read, &buffer, 0..buffer.len(), &nvme, 0)
         .context("I/O after the failure")?;
+    ktap::pass()
+}
+
+/// NVMe -> GPU -> NVMe through a `Transfer` whose ring has the buffer as its fixed buffer, in
+/// chunks that start inside it; the pages are unpinned when the `Transfer` goes, so the buffer
+/// unregisters cleanly after.
+fn transfer_through_a_fixed_buffer() -> CaseResult {
+    const LEN: u64 = 8 * MIB;
+    let (buffer, dmabuf) = registered(LEN)?;
+    let nvme = fgds::open_direct(&guest::nvme_path()?, true)?;
+    let scratch = 120 * MIB;
+    {
+        let mut transfer = Transfer::new(TransferConfig {
+            chunk_size: (3 * MIB / 2) as usize,
+            queue_depth: 4,
+        })?;
+        if let Err(err) = transfer.register_buffer(&buffer) {
+            let p2pdma = matches!(&err, Error::Io { source, .. } if source.raw_os_error() == Some(libc::EREMOTEIO));
+            if p2pdma {
+                return ktap::skip(format_args!(
+                    "this kernel does not pin P2PDMA pages long-term for io_uring: {err}"
+                ));
+            }
+            bail!("registering the buffer as a fixed buffer: {err}");
+        }
+        let second = transfer.register_buffer(&buffer);
+        ensure!(
+            matches!(second, Err(Error::Invalid(_))),
+            "a second fixed buffer on one Transfer gave {second:?}"
+        );
+        transfer.run(Direction::Read, &buffer, 0..buffer.len(), &nvme, 0)?;
+        transfer.run(
+            Direction::Write,
+            &buffer,
+            MIB as usize..buffer.len(),
+            &nvme,
+            scratch,
+        )?;
+    }
+    let cpu = CpuMapping::new(dmabuf.as_fd(), LEN as usize)?;
+    let mut got = vec![0u8; LEN as usize];
+    cpu.read(0, &mut got);
+    if let Some(at) = pattern::first_mismatch(pattern::NVME_SEED, 0, &got) {
+        bail!("the read through the fixed buffer differs from the drive at byte {at}");
+    }
+    let mut back = AlignedBuf::new((LEN - MIB) as usize)?;
+    nvme.read_exact_at(back.as_mut_slice(), scratch)?;
+    if let Some(at) = pattern::first_mismatch(pattern::NVME_SEED, MIB, back.as_slice()) {
+        bail!("the write through the fixed buffer changed byte {at}");
+    }
+    drop(buffer);
     ktap::pass()
 }
 

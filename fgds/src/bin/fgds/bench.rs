@@ -61,9 +61,21 @@ pub struct Options {
     /// and, under emulation, in the host behind the GPU's memory) are not measured.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
+    /// Register each thread's memory with its io_uring as a fixed buffer (pinned once, not per
+    /// request): `auto` where the kernel accepts the memory (and says so where it does not),
+    /// `on` (fail where it does not), or `off`.
+    #[arg(long, default_value = "auto")]
+    fixed_buffers: FixedBuffers,
     /// Print JSON (an array, one object per mode).
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum FixedBuffers {
+    Auto,
+    On,
+    Off,
 }
 
 const MODES: &[&str] = &["ram", "direct", "bounce", "p2pmem"];
@@ -120,6 +132,15 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
                 continue;
             }
         };
+        let (mut rings, fixed) = match make_rings(&target, opts, region) {
+            Ok(made) => made,
+            Err(err) => bail!("{mode}: {err:#}"),
+        };
+        if let Err(reason) = &fixed {
+            eprintln!(
+                "bench: {mode}: no fixed buffers ({reason}); requests pin their pages one by one"
+            );
+        }
         for rep in 0..opts.warmup {
             eprint!(
                 "\rbench: {mode} {} {} KiB qd {} x{}: warm-up {}/{}   ",
@@ -130,7 +151,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
                 rep + 1,
                 opts.warmup
             );
-            run_once(&target, &file, opts, write)?;
+            run_once(&target, &mut rings, fixed.is_ok(), &file, opts, write)?;
         }
         let mut samples = Vec::new();
         for rep in 0..opts.repeat {
@@ -143,9 +164,18 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
                 rep + 1,
                 opts.repeat
             );
-            samples.push(run_once(&target, &file, opts, write)?);
+            samples.push(run_once(
+                &target,
+                &mut rings,
+                fixed.is_ok(),
+                &file,
+                opts,
+                write,
+            )?);
         }
         eprintln!();
+        release_rings(&rings);
+        drop(rings);
         let mut rates = samples
             .iter()
             .map(|s| s.bytes as f64 / (1 << 20) as f64 / s.secs)
@@ -175,6 +205,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "p50_us": mid.p50_us,
             "p99_us": mid.p99_us,
             "ratio_to_ram": ram_mib_s.map(|r| median / r),
+            "fixed_buffers": fixed.is_ok(),
+            "fixed_buffers_refused": fixed.err(),
         }));
     }
     if opts.json {
@@ -367,7 +399,56 @@ fn machine_cpu_secs() -> f64 {
     busy as f64 / hz
 }
 
-fn run_once(target: &Target, file: &File, opts: &Options, write: bool) -> anyhow::Result<Sample> {
+/// One io_uring per thread, each with its part of the target registered as its fixed buffer
+/// where `--fixed-buffers` asks for it; the second value says whether they are, or why not.
+fn make_rings(
+    target: &Target,
+    opts: &Options,
+    region: usize,
+) -> anyhow::Result<(Vec<IoUring>, Result<(), String>)> {
+    let rings = (0..opts.threads)
+        .map(|_| IoUring::new(opts.queue_depth.next_power_of_two() as u32))
+        .collect::<std::io::Result<Vec<_>>>()
+        .context("io_uring_setup")?;
+    if opts.fixed_buffers == FixedBuffers::Off {
+        return Ok((rings, Err("--fixed-buffers off".to_owned())));
+    }
+    for (t, ring) in rings.iter().enumerate() {
+        let iov = libc::iovec {
+            // SAFETY: thread `t`'s region lies inside the target's memory.
+            iov_base: unsafe { target.io_ptr().add(t * region) }.cast(),
+            iov_len: region,
+        };
+        // SAFETY: the memory stays mapped until the rings are dropped, which `run` does before
+        // the target (and `release_rings` unregisters it first).
+        if let Err(err) = unsafe { ring.submitter().register_buffers(&[iov]) } {
+            let reason = format!("io_uring refused the memory as a fixed buffer: {err}");
+            if opts.fixed_buffers == FixedBuffers::On {
+                bail!("{reason} (--fixed-buffers on)");
+            }
+            release_rings(&rings[..t]);
+            return Ok((rings, Err(reason)));
+        }
+    }
+    Ok((rings, Ok(())))
+}
+
+/// Unregisters the rings' fixed buffers, so that their pages are unpinned now rather than when
+/// the kernel gets round to freeing the rings.
+fn release_rings(rings: &[IoUring]) {
+    for ring in rings {
+        let _ = ring.submitter().unregister_buffers();
+    }
+}
+
+fn run_once(
+    target: &Target,
+    rings: &mut [IoUring],
+    fixed: bool,
+    file: &File,
+    opts: &Options,
+    write: bool,
+) -> anyhow::Result<Sample> {
     let region = region_len(opts);
     let per_thread = opts.total / opts.threads as u64;
     let cpu0 = machine_cpu_secs();
@@ -376,12 +457,16 @@ fn run_once(target: &Target, file: &File, opts: &Options, write: bool) -> anyhow
         .seconds
         .map(|s| started + Duration::from_secs_f64(s.max(0.0)));
     let latencies = std::thread::scope(|scope| {
-        let handles = (0..opts.threads)
-            .map(|t| {
+        let handles = rings
+            .iter_mut()
+            .enumerate()
+            .map(|(t, ring)| {
                 let base = target.io_ptr() as usize + t * region;
                 scope.spawn(move || {
                     thread_io(
                         target,
+                        ring,
+                        fixed,
                         base,
                         t * region,
                         file,
@@ -424,6 +509,8 @@ fn run_once(target: &Target, file: &File, opts: &Options, write: bool) -> anyhow
 #[allow(clippy::too_many_arguments)]
 fn thread_io(
     target: &Target,
+    ring: &mut IoUring,
+    fixed: bool,
     base: usize,
     region_offset: usize,
     file: &File,
@@ -440,7 +527,6 @@ fn thread_io(
         None => bytes.div_ceil(bs as u64),
     };
     let more = |next: u64| next < n_requests && deadline.is_none_or(|d| Instant::now() < d);
-    let mut ring = IoUring::new(opts.queue_depth.next_power_of_two() as u32)?;
     let mut issued_at = vec![Instant::now(); opts.queue_depth];
     let mut latencies = Vec::new();
     let mut next = 0u64;
@@ -458,10 +544,12 @@ fn thread_io(
             let dst = unsafe { std::slice::from_raw_parts_mut(ram.ptr.add(at), bs) };
             gpu.read(at, dst);
         }
-        let sqe = if write {
-            opcode::Write::new(fd, ptr, bs as u32).offset(off).build()
-        } else {
-            opcode::Read::new(fd, ptr, bs as u32).offset(off).build()
+        let len = bs as u32;
+        let sqe = match (write, fixed) {
+            (true, true) => opcode::WriteFixed::new(fd, ptr, len, 0).offset(off).build(),
+            (true, false) => opcode::Write::new(fd, ptr, len).offset(off).build(),
+            (false, true) => opcode::ReadFixed::new(fd, ptr, len, 0).offset(off).build(),
+            (false, false) => opcode::Read::new(fd, ptr, len).offset(off).build(),
         };
         // SAFETY: the slot's memory lives until the run ends, and the run waits for every
         // request before returning.
@@ -471,7 +559,7 @@ fn thread_io(
     };
     while more(next) && in_flight < opts.queue_depth {
         issued_at[in_flight] = Instant::now();
-        submit(&mut ring, in_flight, next)?;
+        submit(ring, in_flight, next)?;
         next += 1;
         in_flight += 1;
     }
@@ -505,7 +593,7 @@ fn thread_io(
             latencies.push(issued_at[slot].elapsed());
             if more(next) {
                 issued_at[slot] = Instant::now();
-                submit(&mut ring, slot, next)?;
+                submit(ring, slot, next)?;
                 next += 1;
                 in_flight += 1;
             }
