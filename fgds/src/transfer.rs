@@ -4,7 +4,8 @@
 //! A buffer registered with [`Transfer::register_buffer`] is an io_uring fixed buffer: the
 //! kernel pins its pages once, instead of once per request (`pin_user_pages_fast()`, a page at
 //! a time with interrupts off), which is most of what a large read into GPU memory would
-//! otherwise cost the CPU (docs/performance.md).
+//! otherwise cost the CPU (docs/performance.md). It is opt-in, because such a pin outlives a
+//! revocation (see the method).
 
 use std::fs::File;
 use std::ops::Range;
@@ -105,10 +106,17 @@ impl<'b> Transfer<'b> {
     /// Registers `buffer` as the ring's fixed buffer, so that `run` on it pins nothing per
     /// request. The pages stay pinned until the `Transfer` is dropped.
     ///
+    /// The pin outlives a revocation: fgds removes the buffer's mappings and waits for I/O in
+    /// flight, but a request submitted through the fixed buffer afterwards still reaches the
+    /// pages, and the GPU's unbind or removal waits `revoke_timeout_ms` for the pin and then
+    /// gives up (docs/driver.md, "known limit"). Drop the `Transfer` when the GPU is going
+    /// away; without this call, requests pin per request and a revocation stops them.
+    ///
     /// Fails where the kernel will not pin the buffer's pages long-term: P2PDMA pages (Linux
-    /// 7.x, `fgds list` mode `p2pdma` or `exporter-p2pdma`) give `EREMOTEIO`, and without
-    /// `CAP_IPC_LOCK` the pinned bytes count against `RLIMIT_MEMLOCK` (`ENOMEM`). The
-    /// `Transfer` is unchanged then and works as before.
+    /// 7.x, `fgds list` mode `p2pdma` or `exporter-p2pdma`) give `EREMOTEIO`, Linux 6.1's
+    /// io_uring takes no file-backed memory (`EOPNOTSUPP`), and without `CAP_IPC_LOCK` the
+    /// pinned bytes count against `RLIMIT_MEMLOCK` (`ENOMEM`). The `Transfer` is unchanged
+    /// then and works as before.
     pub fn register_buffer(&mut self, buffer: &'b Buffer) -> Result<()> {
         if self.fixed.is_some() {
             return Err(Error::Invalid(

@@ -130,13 +130,16 @@ fn transfer_through_a_fixed_buffer() -> CaseResult {
             queue_depth: 4,
         })?;
         if let Err(err) = transfer.register_buffer(&buffer) {
-            let p2pdma = matches!(&err, Error::Io { source, .. } if source.raw_os_error() == Some(libc::EREMOTEIO));
-            if p2pdma {
-                return ktap::skip(format_args!(
-                    "this kernel does not pin P2PDMA pages long-term for io_uring: {err}"
-                ));
-            }
-            bail!("registering the buffer as a fixed buffer: {err}");
+            let errno = match &err {
+                Error::Io { source, .. } => source.raw_os_error(),
+                _ => None,
+            };
+            let why = match errno {
+                Some(libc::EREMOTEIO) => "this kernel does not pin P2PDMA pages long-term",
+                Some(libc::EOPNOTSUPP) => "this kernel's io_uring takes no file-backed memory",
+                _ => bail!("registering the buffer as a fixed buffer: {err}"),
+            };
+            return ktap::skip(format_args!("{why}: {err}"));
         }
         let second = transfer.register_buffer(&buffer);
         ensure!(
