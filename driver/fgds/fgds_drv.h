@@ -27,14 +27,30 @@
  *	its BAR (pci_p2pdma_add_resource()); fgds maps those
  * @FGDS_MODE_P2PDMA: fgds registered P2PDMA pages for the whole BAR and
  *	claimed the whole range from the P2PDMA genpool
- * @FGDS_MODE_GENERIC: MEMORY_DEVICE_GENERIC pages created by fgds (kernels
- *	without CONFIG_PCI_P2PDMA); only without IOMMU translation
+ * @FGDS_MODE_GENERIC: MEMORY_DEVICE_GENERIC pages created by fgds; only
+ *	where DMA reaches them exactly as it would reach P2PDMA pages
  */
 enum fgds_mode {
 	FGDS_MODE_NONE,
 	FGDS_MODE_EXPORTER_P2PDMA,
 	FGDS_MODE_P2PDMA,
 	FGDS_MODE_GENERIC,
+};
+
+/**
+ * enum fgds_pages - the pages= module parameter: which pages fgds creates
+ *	over a BAR that has none of the exporter's
+ * @FGDS_PAGES_AUTO: GENERIC pages where DMA reaches them exactly as it
+ *	would reach P2PDMA pages (no IOMMU translation, no bus offset, no
+ *	encryption or bouncing, the P2P distance check passes for every NVMe
+ *	controller), else P2PDMA pages where the kernel has them
+ * @FGDS_PAGES_P2PDMA: P2PDMA pages only
+ * @FGDS_PAGES_GENERIC: GENERIC pages only
+ */
+enum fgds_pages {
+	FGDS_PAGES_AUTO,
+	FGDS_PAGES_P2PDMA,
+	FGDS_PAGES_GENERIC,
 };
 
 /**
@@ -182,6 +198,7 @@ struct fgds_buf {
 extern unsigned int fgds_max_buffers_per_file;
 extern unsigned long long fgds_max_bytes_per_gpu;
 extern unsigned int fgds_revoke_timeout_ms;
+extern int fgds_pages;
 
 extern struct address_space *fgds_mapping;
 extern const struct file_operations fgds_fops;

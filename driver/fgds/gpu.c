@@ -7,11 +7,14 @@
  * that driver unbinds or the GPU goes away:
  *
  *  1. the exporter registered P2PDMA pages for the BAR: fgds maps those;
- *  2. CONFIG_PCI_P2PDMA: fgds registers P2PDMA pages for the whole BAR and
- *     claims the whole range from the P2PDMA genpool, so no other allocator
- *     (pci_alloc_p2pmem(), p2pmem/allocate) can hand that memory out;
- *  3. otherwise MEMORY_DEVICE_GENERIC pages, only when no IOMMU translates
- *     the GPU's or an NVMe controller's DMA.
+ *  2. MEMORY_DEVICE_GENERIC pages, where DMA reaches them exactly as it would
+ *     reach P2PDMA pages (fgds_generic_safe()): compound 2 MiB folios that
+ *     io_uring can pin long-term, which P2PDMA pages are not;
+ *  3. otherwise, with CONFIG_PCI_P2PDMA, fgds registers P2PDMA pages for the
+ *     whole BAR and claims the whole range from the P2PDMA genpool, so no
+ *     other allocator (pci_alloc_p2pmem(), p2pmem/allocate) can hand that
+ *     memory out.
+ * The pages= parameter can insist on 2 or 3 (enum fgds_pages).
  *
  * In modes 2 and 3 fgds first reserves the BAR's memory type write-combined
  * (arch_io_reserve_memtype_wc()). x86 PAT keeps the type of the first
@@ -50,6 +53,7 @@
  * for bio_set_pages_dirty().
  */
 
+#include <linux/cc_platform.h>
 #include <linux/delay.h>
 #include <linux/dma-resv.h>
 #include <linux/io.h>
@@ -58,6 +62,7 @@
 #include <linux/mm.h>
 #include <linux/pci-p2pdma.h>
 #include <linux/slab.h>
+#include <linux/swiotlb.h>
 
 #include "fgds_compat.h"
 #include "fgds_drv.h"
@@ -274,31 +279,76 @@ static bool fgds_dma_translated(struct device *dev)
 }
 
 /*
- * GENERIC pages look like RAM to the DMA API: an IOMMU would map the BAR's
- * CPU address for the NVMe controller, which routes the transfer through the
- * root complex without any P2P check. Accept them only when neither the GPU
- * nor any NVMe controller present has its DMA translated.
+ * Why DMA would not reach GENERIC pages of this GPU exactly as it reaches
+ * P2PDMA pages, naming the device at fault in *culprit (a reference the
+ * caller drops), or NULL. GENERIC pages look like RAM to the DMA API: it maps
+ * them for a DMA master with phys_to_dma(), through an IOMMU if there is one,
+ * with no P2P check. P2PDMA pages get the BAR's PCI bus address once the
+ * distance check has passed. The two agree when neither the GPU nor any NVMe
+ * controller has its DMA translated or bounced, the BAR's bus address is its
+ * CPU address, memory is not encrypted (phys_to_dma() would set the
+ * encryption bit), and, where the kernel has the check, the GPU passes the
+ * P2P distance check with every NVMe controller present.
  */
-static int fgds_generic_allowed(struct fgds_gpu *gpu)
+static const char *fgds_generic_unsafe(struct fgds_gpu *gpu,
+				       struct pci_dev **culprit)
 {
-	struct pci_dev *pdev = NULL;
+	struct pci_dev *gpu_pdev = gpu->pdev, *pdev = NULL;
 
-	if (fgds_dma_translated(&gpu->pdev->dev)) {
-		pci_err(gpu->pdev,
-			"fgds: GENERIC pages refused: an IOMMU translates this GPU's DMA; boot with iommu=pt (or without an IOMMU), or use a kernel with CONFIG_PCI_P2PDMA\n");
-		return -EOPNOTSUPP;
-	}
+	*culprit = NULL;
+	if (cc_platform_has(CC_ATTR_MEM_ENCRYPT))
+		return "memory encryption is active";
+	if (pci_bus_address(gpu_pdev, gpu->bar) != gpu->bar_start)
+		return "the BAR's PCI bus address differs from its CPU address";
+	if (fgds_dma_translated(&gpu_pdev->dev))
+		return "an IOMMU translates the GPU's DMA";
 	for_each_pci_dev(pdev) {
-		if ((pdev->class >> 8) != PCI_CLASS_STORAGE_EXPRESS ||
-		    !fgds_dma_translated(&pdev->dev))
+		const char *why;
+
+		if ((pdev->class >> 8) != PCI_CLASS_STORAGE_EXPRESS)
 			continue;
-		pci_err(gpu->pdev,
-			"fgds: GENERIC pages refused: an IOMMU translates the DMA of NVMe %s; boot with iommu=pt (or without an IOMMU), or use a kernel with CONFIG_PCI_P2PDMA\n",
-			pci_name(pdev));
-		pci_dev_put(pdev);
-		return -EOPNOTSUPP;
+		if (fgds_dma_translated(&pdev->dev))
+			why = "an IOMMU translates the DMA of NVMe";
+		else if (is_swiotlb_force_bounce(&pdev->dev))
+			why = "swiotlb bounces the DMA of NVMe";
+		else if (IS_ENABLED(CONFIG_PCI_P2PDMA) &&
+			 pci_p2pdma_distance(gpu_pdev, &pdev->dev, false) < 0)
+			why = "no P2P path (pci_p2pdma_distance()) to NVMe";
+		else
+			continue;
+		*culprit = pdev;
+		return why;
 	}
-	return 0;
+	return NULL;
+}
+
+/*
+ * Whether fgds may create GENERIC pages. When it must (pages=generic, or a
+ * kernel without CONFIG_PCI_P2PDMA) a refusal is an error naming the fix;
+ * otherwise (pages=auto) fgds uses P2PDMA pages and says why.
+ */
+static bool fgds_generic_safe(struct fgds_gpu *gpu, bool must)
+{
+	struct pci_dev *culprit;
+	const char *why = fgds_generic_unsafe(gpu, &culprit);
+	const char *sep = culprit ? " " : "";
+	const char *name = culprit ? pci_name(culprit) : "";
+
+	if (!why)
+		return true;
+	if (!must)
+		pci_info(gpu->pdev, "fgds: P2PDMA pages, not GENERIC: %s%s%s\n",
+			 why, sep, name);
+	else if (IS_ENABLED(CONFIG_PCI_P2PDMA))
+		pci_err(gpu->pdev,
+			"fgds: GENERIC pages refused: %s%s%s; load fgds with pages=auto or pages=p2pdma\n",
+			why, sep, name);
+	else
+		pci_err(gpu->pdev,
+			"fgds: GENERIC pages refused: %s%s%s; boot with iommu=pt (or without an IOMMU) and without swiotlb=force, or use a kernel with CONFIG_PCI_P2PDMA\n",
+			why, sep, name);
+	pci_dev_put(culprit);
+	return false;
 }
 
 static int fgds_setup_generic(struct fgds_gpu *gpu)
@@ -311,9 +361,6 @@ static int fgds_setup_generic(struct fgds_gpu *gpu)
 		pci_err(gpu->pdev, "fgds: the kernel has no CONFIG_ZONE_DEVICE\n");
 		return -EOPNOTSUPP;
 	}
-	ret = fgds_generic_allowed(gpu);
-	if (ret)
-		return ret;
 	ret = fgds_reserve_wc(gpu);
 	if (ret)
 		return ret;
@@ -346,6 +393,27 @@ err_free:
 err_wc:
 	fgds_unreserve_wc(gpu);
 	return ret;
+}
+
+/* Modes 2 and 3 of the top of this file, as pages= allows. */
+static int fgds_setup_own_pages(struct fgds_gpu *gpu, enum fgds_mode *mode)
+{
+	int pages = READ_ONCE(fgds_pages);
+
+	if (pages != FGDS_PAGES_P2PDMA &&
+	    fgds_generic_safe(gpu, pages == FGDS_PAGES_GENERIC ||
+			      !IS_ENABLED(CONFIG_PCI_P2PDMA))) {
+		*mode = FGDS_MODE_GENERIC;
+		return fgds_setup_generic(gpu);
+	}
+	if (pages == FGDS_PAGES_GENERIC || !IS_ENABLED(CONFIG_PCI_P2PDMA)) {
+		if (pages == FGDS_PAGES_P2PDMA)
+			pci_err(gpu->pdev,
+				"fgds: pages=p2pdma, but the kernel has no CONFIG_PCI_P2PDMA; load fgds with pages=auto\n");
+		return -EOPNOTSUPP;
+	}
+	*mode = FGDS_MODE_P2PDMA;
+	return fgds_setup_p2pdma(gpu);
 }
 
 /**
@@ -381,12 +449,8 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 			"fgds: BAR %d already has struct pages of type %d from another driver; unload it\n",
 			gpu->bar, type);
 		ret = -EBUSY;
-	} else if (IS_ENABLED(CONFIG_PCI_P2PDMA)) {
-		mode = FGDS_MODE_P2PDMA;
-		ret = fgds_setup_p2pdma(gpu);
 	} else {
-		mode = FGDS_MODE_GENERIC;
-		ret = fgds_setup_generic(gpu);
+		ret = fgds_setup_own_pages(gpu, &mode);
 	}
 	/* A refusal (logged once) stands until the GPU's driver unbinds. */
 	if (ret == -EOPNOTSUPP || ret == -EBUSY)

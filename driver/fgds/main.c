@@ -49,6 +49,41 @@ module_param_named(revoke_timeout_ms, fgds_revoke_timeout_ms, uint, 0644);
 MODULE_PARM_DESC(revoke_timeout_ms,
 		 "How long revocation waits for I/O in flight into a buffer (default 10000)");
 
+static const char * const fgds_pages_names[] = {
+	[FGDS_PAGES_AUTO] = "auto",
+	[FGDS_PAGES_P2PDMA] = "p2pdma",
+	[FGDS_PAGES_GENERIC] = "generic",
+};
+
+int fgds_pages = FGDS_PAGES_AUTO;
+
+static int fgds_pages_set(const char *val, const struct kernel_param *kp)
+{
+	int i = sysfs_match_string(fgds_pages_names, val);
+
+	if (i < 0) {
+		pr_err("fgds: pages=%s: expected auto, p2pdma or generic\n", val);
+		return -EINVAL;
+	}
+	*(int *)kp->arg = i;
+	return 0;
+}
+
+static int fgds_pages_get(char *buf, const struct kernel_param *kp)
+{
+	return scnprintf(buf, PAGE_SIZE, "%s\n",
+			 fgds_pages_names[*(int *)kp->arg]);
+}
+
+static const struct kernel_param_ops fgds_pages_ops = {
+	.set = fgds_pages_set,
+	.get = fgds_pages_get,
+};
+
+module_param_cb(pages, &fgds_pages_ops, &fgds_pages, 0444);
+MODULE_PARM_DESC(pages,
+		 "Pages fgds creates over a BAR: auto (GENERIC where DMA reaches them as it would P2PDMA pages, else P2PDMA; default), p2pdma or generic");
+
 static dev_t fgds_devt;
 static struct class *fgds_class;
 static DEFINE_IDA(fgds_minors);

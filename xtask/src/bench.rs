@@ -37,6 +37,9 @@ pub struct Options {
     /// The vgpu exporter's mode.
     #[arg(long, default_value = "plain")]
     pub vgpu_mode: String,
+    /// fgds's `pages=` parameter (as for test-vm).
+    #[arg(long, default_value = "auto", value_parser = vm::FGDS_PAGES)]
+    pub fgds_pages: String,
 }
 
 pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
@@ -48,6 +51,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
     };
     let run = vm::run_kernel(&vm::Options {
         vgpu_mode: opts.vgpu_mode.clone(),
+        fgds_pages: opts.fgds_pages.clone(),
         append: if opts.quick {
             "fgds.bench=quick".to_owned()
         } else if opts.profile {

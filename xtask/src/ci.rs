@@ -8,15 +8,22 @@ use fgds_vm_images::kernel;
 use crate::report::{self, Outcome, Verdict};
 use crate::{driver, host, selftest, vm};
 
-/// The kernels CI boots: the LTS users run (GENERIC pages), the newest (P2PDMA pages,
-/// DMABUF_DEBUG on), and the LTS built with KASAN, lockdep, kmemleak and fault injection
+/// The runs CI makes, kernel and fgds's `pages=`: the LTS users run (GENERIC pages), the
+/// newest with the default (GENERIC pages, the rig having no IOMMU) and with P2PDMA pages (both
+/// with DMABUF_DEBUG on), and the LTS built with KASAN, lockdep, kmemleak and fault injection
 /// (P2PDMA pages; built once from linux-source, about 12 minutes on 2 cores, then cached).
-pub const CI_KERNELS: [&str; 3] = ["debian:6.12", "debian:7.3", "build:6.12+debug"];
+pub const CI_RUNS: [(&str, &str); 4] = [
+    ("debian:6.12", "auto"),
+    ("debian:7.3", "auto"),
+    ("debian:7.3", "p2pdma"),
+    ("build:6.12+debug", "p2pdma"),
+];
 
 #[derive(clap::Args)]
 pub struct Options {
-    /// Kernels to run the suite on (repeatable).
-    #[arg(long = "kernel", default_values_t = CI_KERNELS.map(str::to_owned))]
+    /// Kernels to run the suite on (repeatable, with fgds's default `pages=auto`); default: the
+    /// runs of `CI_RUNS`.
+    #[arg(long = "kernel")]
     pub kernels: Vec<String>,
 }
 
@@ -59,8 +66,16 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
     outcomes.extend(check_driver_outcomes(&DriverOptions {
         kernel: "debian:6.12".to_owned(),
     }));
-    for kernel in &opts.kernels {
-        let vm_opts = vm::Options::for_kernel(kernel);
+    let runs: Vec<(&str, &str)> = if opts.kernels.is_empty() {
+        CI_RUNS.to_vec()
+    } else {
+        opts.kernels.iter().map(|k| (k.as_str(), "auto")).collect()
+    };
+    for (kernel, pages) in runs {
+        let vm_opts = vm::Options {
+            fgds_pages: pages.to_owned(),
+            ..vm::Options::for_kernel(kernel)
+        };
         outcomes.extend(or_failure(
             &format!("{kernel}::run"),
             vm::run_kernel(&vm_opts).map(|run| run.outcomes),

@@ -23,6 +23,9 @@ pub struct Options {
     /// The vgpu exporter's mode.
     #[arg(long, default_value = "plain")]
     pub vgpu_mode: String,
+    /// fgds's `pages=` parameter (as for test-vm).
+    #[arg(long, default_value = "auto", value_parser = vm::FGDS_PAGES)]
+    pub fgds_pages: String,
 }
 
 /// One row of the table.
@@ -47,6 +50,7 @@ pub fn matrix(opts: &Options) -> anyhow::Result<ExitCode> {
     for kernel in &kernels {
         let vm_opts = vm::Options {
             vgpu_mode: opts.vgpu_mode.clone(),
+            fgds_pages: opts.fgds_pages.clone(),
             ..vm::Options::for_kernel(kernel)
         };
         match vm::run_kernel(&vm_opts) {

@@ -34,6 +34,10 @@ pub struct Options {
     /// The vgpu exporter's mode: plain (no struct pages, like VRAM) or p2pdma.
     #[arg(long, default_value = "plain")]
     pub vgpu_mode: String,
+    /// fgds's `pages=` parameter: which pages it creates over the GPU's BAR (auto: GENERIC
+    /// where DMA reaches them as it would P2PDMA pages, else P2PDMA).
+    #[arg(long, default_value = "auto", value_parser = FGDS_PAGES)]
+    pub fgds_pages: String,
     /// Run only the suite's programs whose names contain this (repeatable; --exec ones always run).
     #[arg(long = "only", value_name = "NAME")]
     pub only: Vec<String>,
@@ -63,6 +67,7 @@ impl Options {
             accel: AccelArg::Tcg,
             exec: Vec::new(),
             vgpu_mode: "plain".to_owned(),
+            fgds_pages: "auto".to_owned(),
             only: Vec::new(),
             no_suite: false,
             iommu: false,
@@ -106,14 +111,19 @@ pub struct KernelRun {
     pub run_dir: PathBuf,
 }
 
+/// The values of fgds's `pages=` parameter.
+pub const FGDS_PAGES: [&str; 3] = ["auto", "p2pdma", "generic"];
+
 pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     let started = Instant::now();
     let spec: kernel::KernelSpec = opts.kernel.parse()?;
-    let label = if opts.iommu {
-        format!("{}-iommu", spec.slug())
-    } else {
-        spec.slug()
-    };
+    let mut label = spec.slug();
+    if opts.iommu {
+        label.push_str("-iommu");
+    }
+    if opts.fgds_pages != "auto" {
+        label = format!("{label}-{}", opts.fgds_pages);
+    }
     let (run_dir, _lock) = claim_run_dir(&crate::project_root().join("target/vm"), &label)?;
     eprintln!(
         "test-vm: {} (artifacts in {})",
@@ -352,7 +362,7 @@ fn module_params(name: &str, opts: &Options) -> String {
         // Published P2PDMA memory gives `fgds bench` its upstream `p2pmem` mode to compare.
         "vgpu" if opts.vgpu_mode == "p2pdma" => "mode=p2pdma publish=1".to_owned(),
         "vgpu" => format!("mode={}", opts.vgpu_mode),
-        "fgds" => "devices=@ivshmem@".to_owned(),
+        "fgds" => format!("devices=@ivshmem@ pages={}", opts.fgds_pages),
         _ => String::new(),
     }
 }
