@@ -25,7 +25,9 @@
 #include <linux/dma-resv.h>
 #include <linux/delay.h>
 #include <linux/fs.h>
+#include <linux/huge_mm.h>
 #include <linux/mm.h>
+#include <linux/pagemap.h>
 #include <linux/scatterlist.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
@@ -572,10 +574,13 @@ static vm_fault_t fgds_errno_to_fault(int err)
 }
 
 /*
- * Inserts the faulting page, then up to FGDS_FAULT_AROUND following pages of
- * the same run and VMA, so that GUP of a large O_DIRECT buffer does not
- * fault page by page. The pages are the GPU's ZONE_DEVICE pages, inserted as
- * normal (not special) PTEs so that GUP can pin them.
+ * Inserts the faulting page, then, in a VM_MIXEDMAP VMA, up to
+ * FGDS_FAULT_AROUND following pages of the same run and VMA, so that GUP of a
+ * large O_DIRECT buffer does not fault page by page. The pages are the GPU's
+ * ZONE_DEVICE pages, inserted as normal (not special) PTEs so that GUP can
+ * pin them. A VMA mapped with PMDs (fgds_buf_maps_pmd()) has no VM_MIXEDMAP,
+ * which vm_insert_page() needs; it gets one page per fault here, and whole
+ * folios from fgds_vm_huge_fault().
  */
 static vm_fault_t fgds_vm_fault(struct vm_fault *vmf)
 {
@@ -603,6 +608,13 @@ static vm_fault_t fgds_vm_fault(struct vm_fault *vmf)
 		ret = VM_FAULT_SIGBUS;
 		goto out;
 	}
+#ifdef FGDS_FOLIO_PMD
+	if (!(vma->vm_flags & VM_MIXEDMAP)) {
+		ret = vmf_insert_page_mkwrite(vmf, page,
+					      vmf->flags & FAULT_FLAG_WRITE);
+		goto out;
+	}
+#endif
 	err = vm_insert_page(vma, addr, page);
 	ret = fgds_errno_to_fault(err);
 	if (err)
@@ -621,6 +633,63 @@ out:
 	return ret;
 }
 
+#ifdef FGDS_FOLIO_PMD
+/*
+ * Maps a whole 2 MiB folio with one PMD where the VMA and the buffer allow
+ * it; anything else falls back to fgds_vm_fault(), which also answers a
+ * revoked buffer with SIGBUS.
+ */
+static vm_fault_t fgds_vm_huge_fault(struct vm_fault *vmf, unsigned int order)
+{
+	struct vm_area_struct *vma = vmf->vma;
+	struct fgds_buf *buf = vma->vm_private_data;
+	unsigned long haddr = vmf->address & PMD_MASK;
+	vm_fault_t ret = VM_FAULT_FALLBACK;
+	pgoff_t pgoff, run = 0;
+	struct folio *folio;
+	struct page *page;
+
+	if (order != PMD_ORDER || haddr < vma->vm_start ||
+	    haddr + PMD_SIZE > vma->vm_end)
+		return VM_FAULT_FALLBACK;
+	pgoff = linear_page_index(vma, haddr);
+	if (pgoff < buf->vm_pgoff)
+		return VM_FAULT_FALLBACK;
+	pgoff -= buf->vm_pgoff;
+
+	down_read(&buf->lock);
+	if (buf->revoked)
+		goto out;
+	page = fgds_buf_page(buf, pgoff, &run);
+	if (!page || run < HPAGE_PMD_NR)
+		goto out;
+	folio = page_folio(page);
+	if (folio_order(folio) != PMD_ORDER || &folio->page != page)
+		goto out;
+	ret = vmf_insert_folio_pmd(vmf, folio, vmf->flags & FAULT_FLAG_WRITE);
+out:
+	up_read(&buf->lock);
+	return ret;
+}
+#endif
+
+/*
+ * Whether a new VMA of @buf gets PMD mappings: GENERIC 2 MiB folios, and a
+ * start address that puts the buffer's first folio boundary on a 2 MiB one
+ * (fgds_get_unmapped_area() chooses such addresses).
+ */
+static bool fgds_buf_maps_pmd(struct fgds_buf *buf, struct vm_area_struct *vma)
+{
+#ifdef FGDS_FOLIO_PMD
+	return buf->gpu->order == HPAGE_PMD_ORDER &&
+	       buf->npages >= HPAGE_PMD_NR &&
+	       IS_ALIGNED((vma->vm_start >> PAGE_SHIFT) - buf->ext[0].bar_pg,
+			  HPAGE_PMD_NR);
+#else
+	return false;
+#endif
+}
+
 static void fgds_vm_open(struct vm_area_struct *vma)
 {
 	struct fgds_buf *buf = vma->vm_private_data;
@@ -637,6 +706,9 @@ static const struct vm_operations_struct fgds_vm_ops = {
 	.open = fgds_vm_open,
 	.close = fgds_vm_close,
 	.fault = fgds_vm_fault,
+#ifdef FGDS_FOLIO_PMD
+	.huge_fault = fgds_vm_huge_fault,
+#endif
 };
 
 /*
@@ -674,7 +746,11 @@ static int fgds_mmap(struct file *filp, struct vm_area_struct *vma)
 		goto err;
 	}
 
-	fgds_vm_flags_set(vma, VM_MIXEDMAP | VM_DONTEXPAND | VM_DONTDUMP);
+	fgds_vm_flags_set(vma, VM_DONTEXPAND | VM_DONTDUMP);
+	if (fgds_buf_maps_pmd(buf, vma))
+		fgds_vm_flags_set(vma, VM_HUGEPAGE);
+	else
+		fgds_vm_flags_set(vma, VM_MIXEDMAP);
 	vma->vm_page_prot = pgprot_writecombine(vma->vm_page_prot);
 	vma->vm_pgoff = buf->vm_pgoff;
 	vma->vm_private_data = buf;
@@ -685,6 +761,33 @@ err:
 	fgds_buf_put(buf);
 	return ret;
 }
+
+#ifdef FGDS_FOLIO_PMD
+/*
+ * Places a mapping so that the buffer's 2 MiB folios start on 2 MiB virtual
+ * boundaries, as device-dax does. mmap() passes the token as pgoff; the
+ * alignment follows the buffer's first BAR page.
+ */
+static unsigned long fgds_get_unmapped_area(struct file *filp,
+					    unsigned long addr,
+					    unsigned long len,
+					    unsigned long pgoff,
+					    unsigned long flags)
+{
+	struct fgds_file *f = filp->private_data;
+	pgoff_t bar_pg = 0;
+	struct fgds_buf *buf;
+
+	if (pgoff <= U32_MAX) {
+		mutex_lock(&f->lock);
+		buf = xa_load(&f->bufs, pgoff);
+		if (buf)
+			bar_pg = buf->ext[0].bar_pg;
+		mutex_unlock(&f->lock);
+	}
+	return thp_get_unmapped_area(filp, addr, len, bar_pg, flags);
+}
+#endif
 
 static int fgds_open(struct inode *inode, struct file *filp)
 {
@@ -737,5 +840,8 @@ const struct file_operations fgds_fops = {
 	.unlocked_ioctl = fgds_ioctl,
 	.compat_ioctl = compat_ptr_ioctl,
 	.mmap = fgds_mmap,
+#ifdef FGDS_FOLIO_PMD
+	.get_unmapped_area = fgds_get_unmapped_area,
+#endif
 	.llseek = noop_llseek,
 };

@@ -214,6 +214,20 @@ static inline void fgds_folio_set_mapping(struct folio *folio,
 #endif
 }
 
+/*
+ * PMD mappings of 2 MiB GENERIC folios, as device-dax makes them: 7.x maps a
+ * folio with vmf_insert_folio_pmd() and a single page with
+ * vmf_insert_page_mkwrite(), in a VMA without VM_MIXEDMAP (the huge PMDs of a
+ * VM_MIXEDMAP VMA are zapped and split as special ones, without dropping
+ * their folio references: mm/huge_memory.c, vma_is_special_huge()). GUP then
+ * pins a 2 MiB folio in one step. Up to 6.12 a PMD of ZONE_DEVICE pages is a
+ * devmap PMD, which GUP pins page by page: there fgds maps PTEs only.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(7, 0, 0) && \
+	defined(CONFIG_TRANSPARENT_HUGEPAGE)
+#define FGDS_FOLIO_PMD 1
+#endif
+
 /* --- end of importer side --- */
 
 #endif /* _FGDS_COMPAT_H */
