@@ -12,7 +12,7 @@ use fgds_vm_images::{disk, kernel};
 
 use crate::host::{self, Phases};
 use crate::report::{self, Outcome};
-use crate::{driver, guest};
+use crate::{driver, gpu_memory, guest};
 
 /// Seconds the guest gets to boot and load modules, on top of the tests' own timeouts.
 const BOOT_ALLOWANCE_SECS: u64 = 120;
@@ -192,7 +192,8 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
 
     let initrd = run_dir.join("initramfs.cpio");
     let nvme_image = run_dir.join("nvme.img");
-    let gpu_backing = gpu_memory_path(&run_dir)?;
+    let gpu_memory = gpu_memory::create(&run_dir, opts.gpu_bytes)?;
+    let gpu_backing = gpu_memory.path.clone();
     phases.run("image", || {
         let rig = build
             .kos
@@ -274,7 +275,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         machine_problem,
     }));
     // The GPU's memory is RAM of the host: give it back once the verdicts are in.
-    let _ = std::fs::remove_file(&gpu_backing);
+    drop(gpu_memory);
     Ok(KernelRun {
         spec: opts.kernel.clone(),
         release: kernel.release.clone(),
@@ -284,33 +285,6 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         outcomes,
         run_dir: run_dir.clone(),
     })
-}
-
-/// Where the GPU's memory lives: a file on the host's `/dev/shm`, named after the run
-/// directory, with a link `gpu-vram.bin` to it there. Device memory is never written back to a
-/// disk; a file on a disk filesystem would be, and the host's writeback of the pages a DMA
-/// dirtied made reads into the GPU slow at random (docs/performance.md). Removed at the end of
-/// the run, once the host has checked what the guest wrote there.
-fn gpu_memory_path(run_dir: &Path) -> anyhow::Result<PathBuf> {
-    let shm = Path::new("/dev/shm");
-    const TMPFS_MAGIC: u64 = 0x0102_1994; // include/uapi/linux/magic.h
-    let on_tmpfs = rustix::fs::statfs(shm).is_ok_and(|fs| fs.f_type as u64 == TMPFS_MAGIC);
-    if !on_tmpfs {
-        bail!(
-            "{} is not a tmpfs: the rig keeps the GPU's memory there (mount one: `mount -t tmpfs tmpfs /dev/shm`)",
-            shm.display()
-        );
-    }
-    let name = run_dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let path = shm.join(format!("fgds-{name}-gpu-vram.bin"));
-    let link = run_dir.join("gpu-vram.bin");
-    let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(&path, &link)
-        .with_context(|| format!("cannot link {} to {}", link.display(), path.display()))?;
-    Ok(path)
 }
 
 /// Claims `vm/<label>` for this run, or `vm/<label>-2`, `-3`... while other runs of the same
