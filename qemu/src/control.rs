@@ -183,9 +183,8 @@ fn execute(
             *backends += 1;
             let memdev = format!("vram-replug{backends}");
             session.hmp(&format!(
-                "object_add memory-backend-file,id={memdev},size={},mem-path={},share=on",
-                gpu.bytes,
-                gpu.backing.display()
+                "object_add {}",
+                crate::machine::gpu_memory_backend(&memdev, gpu.bytes, &gpu.backing)
             ))?;
             session.hmp(&format!(
                 "device_add ivshmem-plain,id={},memdev={memdev},bus={}",

@@ -241,11 +241,7 @@ pub fn args(config: &Config) -> Vec<String> {
     ]);
     push(&[
         "-object",
-        &format!(
-            "memory-backend-file,id=vram0,size={},mem-path={},share=on",
-            config.gpu_bytes,
-            path(&config.gpu_backing)
-        ),
+        &gpu_memory_backend("vram0", config.gpu_bytes, &config.gpu_backing),
     ]);
     push(&[
         "-device",
@@ -327,6 +323,16 @@ pub enum Exit {
     Exited { code: Option<i32> },
     /// It ran past its time limit and was stopped.
     TimedOut,
+}
+
+/// The QEMU object that holds the GPU's memory: its backing file, mapped shared, at a 2 MiB
+/// aligned address (QEMU aligns a tmpfs file to 4 KiB otherwise, where the host cannot give it
+/// the huge pages xtask's `gpu_memory` asks for).
+pub fn gpu_memory_backend(id: &str, bytes: u64, backing: &Path) -> String {
+    format!(
+        "memory-backend-file,id={id},size={bytes},mem-path={},share=on,align=2M",
+        path(backing)
+    )
 }
 
 /// Starts QEMU for `config` (`qemu-system-x86_64` from PATH).

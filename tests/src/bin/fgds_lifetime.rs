@@ -1,4 +1,5 @@
 //! fgds lifetime: UNREG and close with a live mapping, fork, partial munmap, mremap, madvise,
+//! 2 MiB mappings split by madvise, munmap and fork,
 //! SIGKILL during I/O, revocation by the exporter (SIGBUS on access, EFAULT on I/O, ENODEV on
 //! mmap), exporter unbind and rebind, module unload while in use.
 
@@ -36,6 +37,10 @@ fn main() {
         Case {
             name: "mremap_and_madvise",
             run: mremap_and_madvise,
+        },
+        Case {
+            name: "pmd_mappings_split_and_let_go",
+            run: pmd_mappings_split_and_let_go,
         },
         Case {
             name: "sigkill_during_large_read",
@@ -239,6 +244,124 @@ fn mremap_and_madvise() -> CaseResult {
         16 * MIB,
         &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,
     )?;
+    ktap::pass()
+}
+
+/// Minor page faults of this thread so far.
+fn minor_faults() -> anyhow::Result<i64> {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes one rusage into the buffer we pass.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_THREAD, usage.as_mut_ptr()) };
+    ensure!(rc == 0, "getrusage: {}", std::io::Error::last_os_error());
+    // SAFETY: initialised by the successful call above.
+    Ok(unsafe { usage.assume_init() }.ru_minflt)
+}
+
+/// Whether fgds maps 2 MiB folios with PMDs here: GENERIC pages on 7.x (docs/driver.md).
+fn maps_pmds() -> anyhow::Result<bool> {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")?;
+    let major: u32 = release
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .context("kernel release")?;
+    Ok(major >= 7 && common::sysfs("mode")? == "generic")
+}
+
+/// An 8 MiB buffer on 2 MiB BAR boundaries: where fgds maps PMDs, touching it from its last
+/// page down faults once per 2 MiB (a PTE mapping would fault once per page, fault-around only
+/// reaching forward). Then each PMD is split a different way (MADV_DONTNEED of one page, munmap
+/// of one page, I/O from a forked child, which gets no copy of the PMDs), I/O goes into every
+/// part, and once unmapped the buffer must let go: a reference lost or leaked by a split would
+/// keep it pinned.
+fn pmd_mappings_split_and_let_go() -> CaseResult {
+    const PAGE: usize = 4096;
+    const PMD: u64 = 2 * MIB;
+    let base = common::sysfs_u64("buffers")?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let len = 8 * MIB;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, len + PMD)?;
+    let skip = (PMD - bar_off % PMD) % PMD;
+    let idx = common::reg(&node, dmabuf.as_fd(), skip, len)?;
+    let mut map = Map::shared(&node, idx, len as usize)?;
+
+    let before = minor_faults()?;
+    for page in (0..len as usize / PAGE).rev() {
+        // SAFETY: a write inside our live mapping.
+        unsafe { std::ptr::write_volatile(map.at(page * PAGE), 0x5a) };
+    }
+    let faults = minor_faults()? - before;
+    let pmds = maps_pmds()?;
+    ktap::diag(format_args!(
+        "touching 8 MiB from its end took {faults} faults (PMD mappings expected: {pmds})"
+    ));
+    ensure!(
+        !pmds || faults <= 8,
+        "{faults} faults for four 2 MiB folios: fgds did not map them with PMDs"
+    );
+
+    let nvme = common::nvme(false)?;
+    common::pread_raw(&nvme, map.ptr, len as usize, 20 * MIB).context("I/O into all of it")?;
+    common::check_nvme_pattern(
+        20 * MIB,
+        &common::gpu_read(
+            dmabuf.as_fd(),
+            (len + PMD) as usize,
+            skip as usize,
+            len as usize,
+        )?,
+    )?;
+    // Split the first PMD (zap one page), the second (unmap one page: the VMA splits too).
+    let at = |off: u64| map.at(off as usize);
+    // SAFETY: advice on a page of our own mapping.
+    let rc = unsafe { libc::madvise(at(MIB).cast(), PAGE, libc::MADV_DONTNEED) };
+    ensure!(rc == 0, "madvise: {}", std::io::Error::last_os_error());
+    // SAFETY: unmaps one page of our own mapping; nothing refers to it any more.
+    let rc = unsafe { libc::munmap(at(3 * MIB).cast(), PAGE) };
+    ensure!(rc == 0, "munmap: {}", std::io::Error::last_os_error());
+    let (third, fourth) = (at(4 * MIB) as usize, at(6 * MIB) as usize);
+    let status = common::in_child(|| {
+        let Ok(nvme) = common::nvme(false) else {
+            return 2;
+        };
+        match common::pread_raw(&nvme, third as *mut u8, 2 * MIB as usize, 30 * MIB) {
+            Ok(n) if n == 2 * MIB as usize => 0,
+            _ => 1,
+        }
+    })?;
+    ensure!(status == 0, "child I/O failed (status {status})");
+    for (off, len, nvme_off) in [
+        (0, 2 * MIB, 40 * MIB),
+        (2 * MIB, MIB, 42 * MIB),
+        (3 * MIB + PAGE as u64, MIB - PAGE as u64, 43 * MIB),
+    ] {
+        common::pread_raw(&nvme, at(off), len as usize, nvme_off)
+            .with_context(|| format!("I/O into the split part at {off:#x}"))?;
+    }
+    common::pread_raw(&nvme, fourth as *mut u8, 2 * MIB as usize, 50 * MIB)
+        .context("I/O into the last PMD")?;
+    let got = common::gpu_read(
+        dmabuf.as_fd(),
+        (len + PMD) as usize,
+        skip as usize,
+        len as usize,
+    )?;
+    let mib = MIB as usize;
+    common::check_nvme_pattern(40 * MIB, &got[..2 * mib])?;
+    common::check_nvme_pattern(42 * MIB, &got[2 * mib..3 * mib])?;
+    common::check_nvme_pattern(43 * MIB, &got[3 * mib + PAGE..4 * mib])?;
+    common::check_nvme_pattern(30 * MIB, &got[4 * mib..6 * mib])?;
+    common::check_nvme_pattern(50 * MIB, &got[6 * mib..])?;
+
+    common::unreg(&node, idx)?;
+    // SAFETY: the two parts of our own mapping around the page unmapped above.
+    unsafe {
+        libc::munmap(map.ptr.cast(), 3 * mib);
+        libc::munmap(map.at(3 * mib + PAGE).cast(), 5 * mib - PAGE);
+    }
+    map.len = 0;
+    wait_buffers(base)?;
     ktap::pass()
 }
 
