@@ -40,6 +40,10 @@ pub struct Options {
     /// fgds's `pages=` parameter (as for test-vm).
     #[arg(long, default_value = "auto", value_parser = vm::FGDS_PAGES)]
     pub fgds_pages: String,
+    /// io_uring fixed buffers for every mode where the kernel takes them (auto), or for none
+    /// (off: every request pins its pages, the crate's default path).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "off"])]
+    pub fixed_buffers: String,
 }
 
 pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
@@ -52,13 +56,17 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
     let run = vm::run_kernel(&vm::Options {
         vgpu_mode: opts.vgpu_mode.clone(),
         fgds_pages: opts.fgds_pages.clone(),
-        append: if opts.quick {
-            "fgds.bench=quick".to_owned()
-        } else if opts.profile {
-            "fgds.bench=profile".to_owned()
-        } else {
-            String::new()
-        },
+        append: format!(
+            "fgds.bench={} fgds.fixed_buffers={}",
+            if opts.quick {
+                "quick"
+            } else if opts.profile {
+                "profile"
+            } else {
+                "full"
+            },
+            opts.fixed_buffers
+        ),
         gpu_bytes: GPU_BYTES,
         programs: vec![(PROGRAM.to_owned(), timeout)],
         ..vm::Options::for_kernel(&opts.kernel)

@@ -3,7 +3,9 @@
 //! cost of registering and mapping 1 GiB next to the time to read 1 GiB.
 //!
 //! Each result goes out as a KTAP diagnostic, `# fgds-bench: <json>`, for the host to collect.
-//! `FGDS_BENCH=quick` (kernel parameter `fgds.bench=quick`) runs a small grid.
+//! `FGDS_BENCH=quick` (kernel parameter `fgds.bench=quick`) runs a small grid;
+//! `FGDS_FIXED_BUFFERS` (`fgds.fixed_buffers`, default `auto`) is passed to `fgds bench
+//! --fixed-buffers`.
 
 use std::os::fd::AsFd;
 use std::process::Command;
@@ -32,7 +34,7 @@ fn main() {
 }
 
 /// The grid to run: `FGDS_BENCH` (kernel parameter `fgds.bench`): `quick`, `profile`, or
-/// unset for the full grid.
+/// `full` (or unset) for the full grid.
 fn kind() -> String {
     std::env::var("FGDS_BENCH").unwrap_or_default()
 }
@@ -65,6 +67,7 @@ fn fgds_bench(
         Amount::Bytes(n) => ("--total", n.to_string()),
         Amount::Seconds(s) => ("--seconds", s.to_string()),
     };
+    let fixed = std::env::var("FGDS_FIXED_BUFFERS").unwrap_or_else(|_| "auto".to_owned());
     let (bs, qd, offset, span) = (
         bs.to_string(),
         qd.to_string(),
@@ -91,6 +94,8 @@ fn fgds_bench(
         &span,
         "--repeat",
         repeat,
+        "--fixed-buffers",
+        &fixed,
         "--json",
     ];
     for mode in modes {
