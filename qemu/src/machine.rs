@@ -327,7 +327,7 @@ pub enum Exit {
 
 /// The QEMU object that holds the GPU's memory: its backing file, mapped shared, at a 2 MiB
 /// aligned address (QEMU aligns a tmpfs file to 4 KiB otherwise, where the host cannot give it
-/// the huge pages xtask's `gpu_memory` asks for).
+/// the huge pages xtask's `run_memory` asks for).
 pub fn gpu_memory_backend(id: &str, bytes: u64, backing: &Path) -> String {
     format!(
         "memory-backend-file,id={id},size={bytes},mem-path={},share=on,align=2M",

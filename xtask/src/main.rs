@@ -7,11 +7,11 @@
 mod bench;
 mod ci;
 mod driver;
-mod gpu_memory;
 mod guest;
 mod host;
 mod matrix;
 mod report;
+mod run_memory;
 mod selftest;
 mod vm;
 
@@ -48,8 +48,8 @@ enum Command {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    // Before any thread starts: see gpu_memory.
-    gpu_memory::enter_private_namespace();
+    // Before any thread starts: see run_memory.
+    run_memory::enter_private_namespace();
     let res = match cli.command {
         Command::TestVm(opts) => vm::test_vm(&opts),
         Command::Ci(opts) => ci::ci(&opts),

@@ -12,7 +12,7 @@ use fgds_vm_images::{disk, kernel};
 
 use crate::host::{self, Phases};
 use crate::report::{self, Outcome};
-use crate::{driver, gpu_memory, guest};
+use crate::{driver, guest, run_memory};
 
 /// Seconds the guest gets to boot and load modules, on top of the tests' own timeouts.
 const BOOT_ALLOWANCE_SECS: u64 = 120;
@@ -191,9 +191,15 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     }
 
     let initrd = run_dir.join("initramfs.cpio");
-    let nvme_image = run_dir.join("nvme.img");
-    let gpu_memory = gpu_memory::create(&run_dir, opts.gpu_bytes)?;
-    let gpu_backing = gpu_memory.path.clone();
+    let memory = run_memory::create(
+        &run_dir,
+        opts.gpu_bytes,
+        pattern::NVME_IMAGE_BYTES + 2 * disk::SMALL_DRIVE_BYTES,
+    )?;
+    let gpu_backing = memory.gpu.clone();
+    let nvme_image = memory.drive("nvme.img")?;
+    let ext4_image = memory.drive("ext4.img")?;
+    let nvme2_image = memory.drive("nvme2.img")?;
     phases.run("image", || {
         let rig = build
             .kos
@@ -208,8 +214,8 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         std::fs::write(run_dir.join("plan.txt"), plan)?;
         disk::write_nvme_image(&nvme_image)?;
         disk::write_gpu_backing(&gpu_backing, opts.gpu_bytes)?;
-        disk::write_ext4_image(&run_dir.join("ext4.img"), disk::SMALL_DRIVE_BYTES)?;
-        disk::write_gpu_backing(&run_dir.join("nvme2.img"), disk::SMALL_DRIVE_BYTES)?;
+        disk::write_ext4_image(&ext4_image, disk::SMALL_DRIVE_BYTES)?;
+        disk::write_gpu_backing(&nvme2_image, disk::SMALL_DRIVE_BYTES)?;
         Ok(())
     })?;
 
@@ -228,8 +234,8 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         gpu_bytes: opts.gpu_bytes,
         nvme_errors: nvme_errors(),
         iommu: opts.iommu,
-        ext4_image: run_dir.join("ext4.img"),
-        nvme2_image: run_dir.join("nvme2.img"),
+        ext4_image,
+        nvme2_image,
         run_dir: run_dir.clone(),
     };
     let limit = Duration::from_secs(
@@ -275,7 +281,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         machine_problem,
     }));
     // The GPU's memory is RAM of the host: give it back once the verdicts are in.
-    drop(gpu_memory);
+    drop(memory);
     Ok(KernelRun {
         spec: opts.kernel.clone(),
         release: kernel.release.clone(),
