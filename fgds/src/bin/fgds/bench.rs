@@ -121,8 +121,11 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         .trim()
         .to_owned();
 
+    // Every mode is set up first, then the repetitions take turns (ram, direct, bounce, ram,
+    // ...), so that a burst of load on the host hits every mode alike instead of whichever
+    // mode happened to run then: the ratios to ram are what the bench is for.
     let mut rows = Vec::new();
-    let mut ram_mib_s = None;
+    let mut runs = Vec::new();
     for mode in &modes {
         let target = match make_target(mode, opts, buffer_len) {
             Ok(target) => target,
@@ -132,7 +135,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
                 continue;
             }
         };
-        let (mut rings, fixed) = match make_rings(&target, opts, region) {
+        let (rings, fixed) = match make_rings(&target, opts, region) {
             Ok(made) => made,
             Err(err) => bail!("{mode}: {err:#}"),
         };
@@ -141,41 +144,50 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
                 "bench: {mode}: no fixed buffers ({reason}); requests pin their pages one by one"
             );
         }
-        for rep in 0..opts.warmup {
-            eprint!(
-                "\rbench: {mode} {} {} KiB qd {} x{}: warm-up {}/{}   ",
-                opts.op,
-                opts.block_size >> 10,
-                opts.queue_depth,
-                opts.threads,
-                rep + 1,
-                opts.warmup
-            );
-            run_once(&target, &mut rings, fixed.is_ok(), &file, opts, write)?;
+        runs.push(ModeRun {
+            mode: mode.clone(),
+            target,
+            rings,
+            fixed,
+            samples: Vec::new(),
+        });
+    }
+    for (what, count) in [("warm-up", opts.warmup), ("repetition", opts.repeat)] {
+        for rep in 0..count {
+            for run in &mut runs {
+                eprint!(
+                    "\rbench: {} {} {} KiB qd {} x{}: {what} {}/{count}   ",
+                    run.mode,
+                    opts.op,
+                    opts.block_size >> 10,
+                    opts.queue_depth,
+                    opts.threads,
+                    rep + 1,
+                );
+                let sample = run_once(
+                    &run.target,
+                    &mut run.rings,
+                    run.fixed.is_ok(),
+                    &file,
+                    opts,
+                    write,
+                )?;
+                if what == "repetition" {
+                    run.samples.push(sample);
+                }
+            }
         }
-        let mut samples = Vec::new();
-        for rep in 0..opts.repeat {
-            eprint!(
-                "\rbench: {mode} {} {} KiB qd {} x{}: repetition {}/{}   ",
-                opts.op,
-                opts.block_size >> 10,
-                opts.queue_depth,
-                opts.threads,
-                rep + 1,
-                opts.repeat
-            );
-            samples.push(run_once(
-                &target,
-                &mut rings,
-                fixed.is_ok(),
-                &file,
-                opts,
-                write,
-            )?);
-        }
-        eprintln!();
-        release_rings(&rings);
-        drop(rings);
+    }
+    eprintln!();
+    let mut ram_mib_s = None;
+    for run in runs {
+        release_rings(&run.rings);
+        let ModeRun {
+            mode,
+            samples,
+            fixed,
+            ..
+        } = run;
         let mut rates = samples
             .iter()
             .map(|s| s.bytes as f64 / (1 << 20) as f64 / s.secs)
@@ -245,6 +257,15 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
 }
 
 /// Memory a mode moves data into or out of; kept alive for the mode's repetitions.
+/// One mode of a run: its memory, its rings and the repetitions measured so far.
+struct ModeRun {
+    mode: String,
+    target: Target,
+    rings: Vec<IoUring>,
+    fixed: Result<(), String>,
+    samples: Vec<Sample>,
+}
+
 enum Target {
     Ram(Anon),
     Direct(fgds::Buffer),
