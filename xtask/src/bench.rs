@@ -30,7 +30,7 @@ pub struct Options {
     #[arg(long)]
     pub quick: bool,
     /// Profile instead of measuring: sample the guest's CPU while `ram` and `direct` read 1 GiB
-    /// (1 MiB qd 1, 4 MiB qd 32, 64 KiB qd 32) and write where each spends it to
+    /// (1 MiB qd 1, 4 MiB qd 1, 4 MiB qd 32, 64 KiB qd 32) and write where each spends it to
     /// `target/bench/profile-<kernel>.txt`.
     #[arg(long, conflicts_with = "quick")]
     pub profile: bool,

@@ -238,7 +238,12 @@ fn profile() -> CaseResult {
             .map(|(f, c)| serde_json::json!([f, per_gib(c)]))
             .collect::<Vec<_>>()
     };
-    for (bs, qd) in [(1u64 << 20, 1u64), (4 << 20, 32), (64 << 10, 32)] {
+    for (bs, qd) in [
+        (1u64 << 20, 1u64),
+        (4 << 20, 1),
+        (4 << 20, 32),
+        (64 << 10, 32),
+    ] {
         for mode in ["ram", "direct"] {
             let (rows, prof) = profile::profile(|| {
                 fgds_bench(
