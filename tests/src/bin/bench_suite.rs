@@ -135,7 +135,9 @@ fn grid() -> CaseResult {
                 64 << 20,
             ],
             &[1, 8, 32],
-            "3",
+            // Five: the host's load comes in bursts of seconds, and the median of three
+            // one-second repetitions was still moved by one.
+            "5",
             1.0,
         )
     };
