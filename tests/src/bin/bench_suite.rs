@@ -150,7 +150,7 @@ fn grid() -> CaseResult {
         };
         for &bs in sizes {
             for &qd in depths {
-                // Long enough that CPU time, counted in 10 ms ticks, is stable.
+                // A second: the CPU time from /proc/stat is good to 10 ms per repetition.
                 let amount = Amount::Seconds(seconds);
                 let rows = fgds_bench(&nvme, op, bs, qd, amount, offset, span, repeat, &[])?;
                 for row in rows {

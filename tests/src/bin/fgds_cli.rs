@@ -128,6 +128,36 @@ fn bench_runs_every_mode() -> CaseResult {
             || p2pmem["skipped"].as_str().is_some_and(|r| !r.is_empty()),
         "p2pmem neither ran nor said why not: {p2pmem}"
     );
+    // A timed run with little in flight takes turns of 0.1 s: four per repetition here, each
+    // mode's figures summed over its turns.
+    let args = [
+        "bench",
+        "--vgpu",
+        "0",
+        "--seconds",
+        "0.4",
+        "--repeat",
+        "1",
+        "--block-size",
+        "65536",
+        "--queue-depth",
+        "4",
+        "--mode",
+        "ram",
+        "--mode",
+        "direct",
+        "--json",
+    ];
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&fgds(&args)?)?;
+    for row in &rows {
+        ktap::diag(row.to_string());
+        ensure!(row["turns"] == 4, "expected four turns: {row}");
+        ensure!(
+            row["total_bytes"].as_u64().is_some_and(|b| b >= 4 * 65536)
+                && row["cpu_s_per_gib"].as_f64().is_some_and(|c| c > 0.0),
+            "a timed run moved nothing or cost no CPU: {row}"
+        );
+    }
     let text = fgds(&[
         "bench", "--vgpu", "0", "--total", "16777216", "--repeat", "1",
     ])?;

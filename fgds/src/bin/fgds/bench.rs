@@ -44,10 +44,15 @@ pub struct Options {
     /// Bytes to move per mode and repetition.
     #[arg(long, default_value_t = 256 << 20)]
     total: u64,
-    /// Run each repetition for this many seconds instead of moving --total bytes (the CPU
-    /// time behind `cpu_s_per_gib` is counted in 10 ms ticks: a second keeps that error small).
+    /// Run each repetition for this many seconds instead of moving --total bytes.
     #[arg(long)]
     seconds: Option<f64>,
+    /// Split each timed repetition into this many turns per mode, the modes taking turns, so
+    /// that a burst of load on the host falls on every mode alike. Default: one turn per 0.1 s
+    /// where a turn's requests in flight are at most 4 MiB (more only lengthen the drain at
+    /// each turn's end), else one.
+    #[arg(long)]
+    turns: Option<usize>,
     /// Where in the file the I/O starts.
     #[arg(long, default_value_t = 0)]
     file_offset: u64,
@@ -80,14 +85,25 @@ enum FixedBuffers {
 
 const MODES: &[&str] = &["ram", "direct", "bounce", "p2pmem"];
 
-/// One repetition's figures.
-#[derive(Clone, Copy)]
+/// One repetition's figures, summed over its turns.
+#[derive(Default)]
 struct Sample {
     secs: f64,
-    bytes: u64,
     cpu_secs: f64,
-    p50_us: f64,
-    p99_us: f64,
+    latencies: Vec<Duration>,
+}
+
+impl Sample {
+    fn bytes(&self, opts: &Options) -> u64 {
+        self.latencies.len() as u64 * opts.block_size as u64
+    }
+
+    /// Latency percentile `p` (0 to 1) in microseconds; the latencies must be sorted.
+    fn percentile_us(&self, p: f64) -> f64 {
+        let lat = &self.latencies;
+        lat.get(((lat.len() as f64 - 1.0) * p) as usize)
+            .map_or(0.0, |d| d.as_secs_f64() * 1e6)
+    }
 }
 
 pub fn run(opts: &Options) -> anyhow::Result<()> {
@@ -152,27 +168,27 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             samples: Vec::new(),
         });
     }
+    let turns = turns(opts);
     for (what, count) in [("warm-up", opts.warmup), ("repetition", opts.repeat)] {
         for rep in 0..count {
-            for run in &mut runs {
-                eprint!(
-                    "\rbench: {} {} {} KiB qd {} x{}: {what} {}/{count}   ",
-                    run.mode,
-                    opts.op,
-                    opts.block_size >> 10,
-                    opts.queue_depth,
-                    opts.threads,
-                    rep + 1,
-                );
-                let sample = run_once(
-                    &run.target,
-                    &mut run.rings,
-                    run.fixed.is_ok(),
-                    &file,
-                    opts,
-                    write,
-                )?;
-                if what == "repetition" {
+            let mut samples = runs.iter().map(|_| Sample::default()).collect::<Vec<_>>();
+            for _ in 0..turns {
+                for (run, sample) in runs.iter_mut().zip(&mut samples) {
+                    eprint!(
+                        "\rbench: {} {} {} KiB qd {} x{}: {what} {}/{count}   ",
+                        run.mode,
+                        opts.op,
+                        opts.block_size >> 10,
+                        opts.queue_depth,
+                        opts.threads,
+                        rep + 1,
+                    );
+                    run_turn(run, turns, &file, opts, write, sample)?;
+                }
+            }
+            if what == "repetition" {
+                for (run, mut sample) in runs.iter_mut().zip(samples) {
+                    sample.latencies.sort();
                     run.samples.push(sample);
                 }
             }
@@ -190,12 +206,12 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         } = run;
         let mut rates = samples
             .iter()
-            .map(|s| s.bytes as f64 / (1 << 20) as f64 / s.secs)
+            .map(|s| s.bytes(opts) as f64 / (1 << 20) as f64 / s.secs)
             .collect::<Vec<_>>();
         rates.sort_by(f64::total_cmp);
         let median = rates[rates.len() / 2];
-        let mid = samples[samples.len() / 2];
-        let gib = samples.iter().map(|s| s.bytes).sum::<u64>() as f64 / (1u64 << 30) as f64;
+        let mid = &samples[samples.len() / 2];
+        let gib = samples.iter().map(|s| s.bytes(opts)).sum::<u64>() as f64 / (1u64 << 30) as f64;
         let cpu_per_gib = samples.iter().map(|s| s.cpu_secs).sum::<f64>() / gib;
         if mode == "ram" {
             ram_mib_s = Some(median);
@@ -207,15 +223,16 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "block_size": opts.block_size,
             "queue_depth": opts.queue_depth,
             "threads": opts.threads,
-            "total_bytes": mid.bytes,
+            "total_bytes": mid.bytes(opts),
             "repetitions": opts.repeat,
+            "turns": turns,
             "warmup": opts.warmup,
             "mib_s": median,
             "mib_s_min": rates[0],
             "mib_s_max": rates[rates.len() - 1],
             "cpu_s_per_gib": cpu_per_gib,
-            "p50_us": mid.p50_us,
-            "p99_us": mid.p99_us,
+            "p50_us": mid.percentile_us(0.5),
+            "p99_us": mid.percentile_us(0.99),
             "ratio_to_ram": ram_mib_s.map(|r| median / r),
             "fixed_buffers": fixed.is_ok(),
             "fixed_buffers_refused": fixed.err(),
@@ -401,23 +418,62 @@ fn slot_offset(slot: usize, bs: usize, region: usize) -> usize {
     (slot * bs) % region
 }
 
-/// Busy CPU time of the whole machine so far (all CPUs, /proc/stat), in seconds.
-fn machine_cpu_secs() -> f64 {
+/// Turns per repetition (`--turns`, or the default it describes).
+fn turns(opts: &Options) -> usize {
+    const TURN_SECS: f64 = 0.1;
+    const MAX_IN_FLIGHT: usize = 4 << 20;
+    match (opts.turns, opts.seconds) {
+        (Some(turns), _) => turns.max(1),
+        (None, Some(secs))
+            if opts.block_size * opts.queue_depth * opts.threads <= MAX_IN_FLIGHT =>
+        {
+            ((secs / TURN_SECS) as usize).max(1)
+        }
+        _ => 1,
+    }
+}
+
+/// The machine's CPU clocks at one moment: the monotonic clock, and the time all CPUs have
+/// spent idle (idle and iowait of /proc/stat's `cpu` line) with how many there are.
+struct CpuClock {
+    at: Instant,
+    cpus: u32,
+    idle_secs: f64,
+}
+
+/// Reads the CPU clocks. The kernel keeps idle time to the nanosecond (NO_HZ idle accounting)
+/// and prints it in 10 ms units, so the busy time between two readings,
+/// `cpus * wall - idle`, is off by at most 10 ms; /proc/stat's busy columns instead count
+/// 4 ms scheduler ticks, a sample that misses a large part of a few percent of one CPU.
+fn cpu_clock() -> CpuClock {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let line = stat.lines().next().unwrap_or_default();
-    let fields = line
+    let at = Instant::now();
+    let mut lines = stat.lines();
+    let fields = lines
+        .next()
+        .unwrap_or_default()
         .split_whitespace()
         .skip(1)
         .map(|v| v.parse::<u64>().unwrap_or(0))
         .collect::<Vec<_>>();
-    // user nice system idle iowait irq softirq steal
-    let busy = [0, 1, 2, 5, 6, 7]
-        .iter()
-        .map(|&i| fields.get(i).copied().unwrap_or(0))
-        .sum::<u64>();
+    let cpus = lines
+        .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
+        .count() as u32;
+    // user nice system idle iowait ...
+    let idle = fields.get(3).copied().unwrap_or(0) + fields.get(4).copied().unwrap_or(0);
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    busy as f64 / hz
+    CpuClock {
+        at,
+        cpus: cpus.max(1),
+        idle_secs: idle as f64 / hz,
+    }
+}
+
+/// CPU seconds the whole machine was busy between two readings.
+fn busy_secs(from: &CpuClock, to: &CpuClock) -> f64 {
+    let wall = to.at.duration_since(from.at).as_secs_f64();
+    (f64::from(to.cpus) * wall - (to.idle_secs - from.idle_secs)).max(0.0)
 }
 
 /// One io_uring per thread, each with its part of the target registered as its fixed buffer
@@ -462,23 +518,27 @@ fn release_rings(rings: &[IoUring]) {
     }
 }
 
-fn run_once(
-    target: &Target,
-    rings: &mut [IoUring],
-    fixed: bool,
+/// One turn of a mode: its share of a repetition's time (or bytes), added to `sample`.
+fn run_turn(
+    run: &mut ModeRun,
+    turns: usize,
     file: &File,
     opts: &Options,
     write: bool,
-) -> anyhow::Result<Sample> {
+    sample: &mut Sample,
+) -> anyhow::Result<()> {
     let region = region_len(opts);
-    let per_thread = opts.total / opts.threads as u64;
-    let cpu0 = machine_cpu_secs();
+    let per_thread = opts.total / (opts.threads * turns) as u64;
+    let fixed = run.fixed.is_ok();
+    let target = &run.target;
+    let from = cpu_clock();
     let started = Instant::now();
     let deadline = opts
         .seconds
-        .map(|s| started + Duration::from_secs_f64(s.max(0.0)));
+        .map(|s| started + Duration::from_secs_f64(s.max(0.0) / turns as f64));
     let latencies = std::thread::scope(|scope| {
-        let handles = rings
+        let handles = run
+            .rings
             .iter_mut()
             .enumerate()
             .map(|(t, ring)| {
@@ -506,22 +566,10 @@ fn run_once(
         }
         anyhow::Ok(all)
     })?;
-    let secs = started.elapsed().as_secs_f64();
-    let cpu_secs = machine_cpu_secs() - cpu0;
-    let bytes = latencies.len() as u64 * opts.block_size as u64;
-    let mut lat = latencies;
-    lat.sort();
-    let pct = |p: f64| {
-        lat.get(((lat.len() as f64 - 1.0) * p) as usize)
-            .map_or(0.0, |d| d.as_secs_f64() * 1e6)
-    };
-    Ok(Sample {
-        secs,
-        bytes,
-        cpu_secs,
-        p50_us: pct(0.5),
-        p99_us: pct(0.99),
-    })
+    sample.secs += started.elapsed().as_secs_f64();
+    sample.cpu_secs += busy_secs(&from, &cpu_clock());
+    sample.latencies.extend(latencies);
+    Ok(())
 }
 
 /// One thread's share: `bytes` (or until `deadline`) in requests of `block_size`, `queue_depth`
