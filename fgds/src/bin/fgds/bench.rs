@@ -204,15 +204,19 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             fixed,
             ..
         } = run;
-        let mut rates = samples
-            .iter()
-            .map(|s| s.bytes(opts) as f64 / (1 << 20) as f64 / s.secs)
-            .collect::<Vec<_>>();
-        rates.sort_by(f64::total_cmp);
-        let median = rates[rates.len() / 2];
-        let mid = &samples[samples.len() / 2];
-        let gib = samples.iter().map(|s| s.bytes(opts)).sum::<u64>() as f64 / (1u64 << 30) as f64;
-        let cpu_per_gib = samples.iter().map(|s| s.cpu_secs).sum::<f64>() / gib;
+        // The repetition of median throughput gives the rate and the latencies; CPU per GiB
+        // is the median of its own, so that one repetition that caught a burst on the host
+        // moves neither.
+        let rate = |s: &Sample| s.bytes(opts) as f64 / (1 << 20) as f64 / s.secs;
+        let cpu_per_gib =
+            |s: &Sample| s.cpu_secs / (s.bytes(opts).max(1) as f64 / (1u64 << 30) as f64);
+        let mut order = (0..samples.len()).collect::<Vec<_>>();
+        order.sort_by(|&a, &b| rate(&samples[a]).total_cmp(&rate(&samples[b])));
+        let mid = &samples[order[order.len() / 2]];
+        let median = rate(mid);
+        let rates = order.iter().map(|&i| rate(&samples[i])).collect::<Vec<_>>();
+        let mut cpus = samples.iter().map(cpu_per_gib).collect::<Vec<_>>();
+        cpus.sort_by(f64::total_cmp);
         if mode == "ram" {
             ram_mib_s = Some(median);
         }
@@ -230,7 +234,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "mib_s": median,
             "mib_s_min": rates[0],
             "mib_s_max": rates[rates.len() - 1],
-            "cpu_s_per_gib": cpu_per_gib,
+            "cpu_s_per_gib": cpus[cpus.len() / 2],
+            "cpu_s_per_gib_min": cpus[0],
+            "cpu_s_per_gib_max": cpus[cpus.len() - 1],
             "p50_us": mid.percentile_us(0.5),
             "p99_us": mid.percentile_us(0.99),
             "ratio_to_ram": ram_mib_s.map(|r| median / r),
