@@ -117,6 +117,10 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         out_dir.join(format!("{label}.json")),
         serde_json::to_string_pretty(&all)?,
     )?;
+    std::fs::write(
+        out_dir.join(format!("{label}.md")),
+        markdown(&rows, registration.as_ref()),
+    )?;
     print_table(&rows);
     print_fixed_buffers(&rows);
     print_targets(&rows);
@@ -146,9 +150,7 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
     }
     let plots = plot(&rows, &out_dir, &label)?;
     println!(
-        "wrote {} and {} plots in {}",
-        format_args!("{label}.json"),
-        plots,
+        "wrote {label}.json, {label}.md (the docs' table) and {plots} plots in {}",
         out_dir.display()
     );
     Ok(exit_code(run.outcomes, failed))
@@ -334,6 +336,66 @@ fn print_table(rows: &[Value]) {
     println!(
         "(direct, bounce, p2pmem: throughput as a ratio of ram in the same run; CPU: guest CPU s per GiB)"
     );
+}
+
+/// The reads at queue depths 1 and 32 as the Markdown table of docs/performance.md's results,
+/// with the registration figures under it: `target/bench/<kernel>.md`, so that the document
+/// quotes the run rather than retypes it.
+fn markdown(rows: &[Value], registration: Option<&Value>) -> String {
+    use std::fmt::Write as _;
+    let mut md = String::from(
+        "| read | ram MiB/s | direct/ram | spread of direct (MiB/s) | bounce/ram | direct/bounce | CPU s/GiB ram | CPU s/GiB direct | CPU direct/ram |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    let mut keys = grid(rows)
+        .into_iter()
+        .filter(|((op, qd, _), _)| op == "read" && (*qd == 1 || *qd == 32))
+        .collect::<Vec<_>>();
+    keys.sort_by_key(|((_, qd, bs), _)| (*qd, *bs));
+    for ((_, qd, bs), modes) in keys {
+        let get = |m: &str, k: &str| modes.get(m).and_then(|r| r[k].as_f64());
+        let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
+            _ => "-".to_owned(),
+        };
+        let num =
+            |v: Option<f64>, digits: usize| v.map_or("-".to_owned(), |v| format!("{v:.digits$}"));
+        let _ = writeln!(
+            md,
+            "| {} qd{qd} | {} | {} | {}-{} | {} | {} | {} | {} | {} |",
+            human(bs),
+            num(get("ram", "mib_s"), 0),
+            ratio(get("direct", "mib_s"), get("ram", "mib_s")),
+            num(get("direct", "mib_s_min"), 0),
+            num(get("direct", "mib_s_max"), 0),
+            ratio(get("bounce", "mib_s"), get("ram", "mib_s")),
+            ratio(get("direct", "mib_s"), get("bounce", "mib_s")),
+            num(get("ram", "cpu_s_per_gib"), 3),
+            num(get("direct", "cpu_s_per_gib"), 3),
+            ratio(get("direct", "cpu_s_per_gib"), get("ram", "cpu_s_per_gib")),
+        );
+    }
+    if let Some(reg) = registration {
+        let f = |k: &str| reg[k].as_f64().unwrap_or(0.0);
+        let read = f("read_1gib_s").max(f64::MIN_POSITIVE);
+        let _ = write!(
+            md,
+            "\n- REG + mmap of 1 GiB: {:.1} ms, {:.2}% of reading 1 GiB ({:.2} s); the GPU's first registration, which also sets the page provider up: {:.1} ms ({:.2}%)",
+            1e3 * f("reg_map_s"),
+            100.0 * f("reg_map_s") / read,
+            read,
+            1e3 * f("first_reg_map_s"),
+            100.0 * f("first_reg_map_s") / read,
+        );
+        if let Some(s) = reg["fixed_buffer_s"].as_f64() {
+            let _ = write!(
+                md,
+                "; io_uring fixed buffer of the 1 GiB (pins it once): {s:.3} s ({:.2}%)",
+                100.0 * s / read
+            );
+        }
+        md.push('\n');
+    }
+    md
 }
 
 /// The read figures issue 6 sets targets for, from this run: direct against ram at 1 and 4 MiB
