@@ -11,10 +11,11 @@ mod fault;
 use std::os::fd::AsFd;
 use std::time::Duration;
 
-use anyhow::{Context, ensure};
+use anyhow::{Context, bail, ensure};
 use common::{MIB, Map};
 use fault::Child;
 use fgds_tests::ktap::{self, Case, CaseResult};
+use rustix::io::Errno;
 
 fn main() {
     common::run_unless_refused(&[
@@ -25,6 +26,10 @@ fn main() {
         Case {
             name: "unload_clean_after_release_then_reload",
             run: unload_clean_after_release,
+        },
+        Case {
+            name: "pages_parameter_checked",
+            run: pages_parameter_checked,
         },
     ])
 }
@@ -116,4 +121,90 @@ fn unload_clean_after_release() -> CaseResult {
     fault::data_check(4 * MIB, 10 * MIB).context("after the reload")?;
     fault::wait_counters_zero("after the check")?;
     ktap::pass()
+}
+
+/// `pages=` takes auto, p2pdma or generic: anything else fails the load with EINVAL and a log
+/// line naming the choices. `pages=p2pdma` on a kernel without CONFIG_PCI_P2PDMA loads, then
+/// refuses the first registration with EOPNOTSUPP and a line that says how to load fgds
+/// instead (sysfs mode "refused"); on a kernel with it, the GPU gets P2PDMA pages and reads
+/// land. fgds is loaded again with the init's parameters either way.
+fn pages_parameter_checked() -> CaseResult {
+    fault::require_idle()?;
+    fault::wait_vgpu_buffers_gone("before the unload")?;
+    fault::unload_fgds()?;
+    let (_, params) = fault::fgds_module()?;
+    let others = params
+        .split_whitespace()
+        .filter(|p| !p.starts_with("pages="))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let result = (|| -> anyhow::Result<()> {
+        let mark = fault::kernel_log_mark()?;
+        match fault::load_fgds_with(&format!("{others} pages=huge"))? {
+            Err(Errno::INVAL) => {}
+            Ok(()) => bail!("fgds loaded with pages=huge"),
+            Err(e) => bail!("loading fgds with pages=huge: {e}, want EINVAL"),
+        }
+        fault::expect_logged(
+            &fault::kernel_log_since(mark)?,
+            "fgds: pages=huge: expected auto, p2pdma or generic",
+        )?;
+
+        fault::load_fgds_with(&format!("{others} pages=p2pdma"))?
+            .context("loading fgds with pages=p2pdma")?;
+        fault::wait_until("the fgds node", Duration::from_secs(10), || {
+            Ok(common::node_path().is_ok())
+        })?;
+        let mark = fault::kernel_log_mark()?;
+        let node = common::open_node()?;
+        let vgpu = common::vgpu()?;
+        let (dmabuf, _) = common::alloc(&vgpu, common::PAGE)?;
+        let reg = common::reg(&node, dmabuf.as_fd(), 0, common::PAGE);
+        if kernel_has_p2pdma()? {
+            let idx = reg.context("REG with pages=p2pdma")?;
+            // The exporter's own P2PDMA pages (vgpu mode p2pdma) take precedence.
+            let mode = common::sysfs("mode")?;
+            ensure!(
+                mode == "p2pdma" || mode == "exporter-p2pdma",
+                "pages=p2pdma, but mode reads {mode}"
+            );
+            common::unreg(&node, idx)?;
+            fault::data_check(2 * MIB, 4 * MIB).context("reading with P2PDMA pages")?;
+        } else {
+            match reg {
+                Err(Errno::OPNOTSUPP) => {}
+                Ok(_) => bail!("REG with pages=p2pdma succeeded on a kernel without P2PDMA"),
+                Err(e) => bail!("REG with pages=p2pdma: {e}, want EOPNOTSUPP"),
+            }
+            ensure!(
+                common::sysfs("mode")? == "refused",
+                "refused, but mode reads {}",
+                common::sysfs("mode")?
+            );
+            fault::expect_logged(
+                &fault::kernel_log_since(mark)?,
+                "fgds: pages=p2pdma, but the kernel has no CONFIG_PCI_P2PDMA; load fgds with pages=auto",
+            )?;
+        }
+        drop((node, dmabuf, vgpu));
+        fault::wait_counters_zero("after the pages=p2pdma check")?;
+        fault::wait_vgpu_buffers_gone("before the unload")?;
+        fault::unload_fgds()
+    })();
+    // Whatever happened, load fgds as the init did so that the suite goes on.
+    if !std::path::Path::new("/sys/module/fgds").exists() {
+        fault::load_fgds_and_wait_node()?;
+    }
+    result?;
+    fault::data_check(2 * MIB, 6 * MIB).context("after loading fgds as the init did")?;
+    fault::wait_counters_zero("after the check")?;
+    ktap::pass()
+}
+
+/// Whether the kernel was built with CONFIG_PCI_P2PDMA (its exported entry point exists).
+fn kernel_has_p2pdma() -> anyhow::Result<bool> {
+    let syms = std::fs::read_to_string("/proc/kallsyms").context("cannot read /proc/kallsyms")?;
+    Ok(syms
+        .lines()
+        .any(|l| l.split_whitespace().nth(2) == Some("pci_p2pdma_add_resource")))
 }
