@@ -310,10 +310,7 @@ fn print_table(rows: &[Value]) {
     );
     for ((op, qd, bs), modes) in grid(rows) {
         let ram = modes.get("ram").and_then(|r| r["mib_s"].as_f64());
-        let ratio = |m: &str| match (modes.get(m).and_then(|r| r["mib_s"].as_f64()), ram) {
-            (Some(v), Some(r)) if r > 0.0 => format!("{:.2}", v / r),
-            _ => "-".to_owned(),
-        };
+        let ratio = |m: &str| fmt_ratio(paired(&modes, m, "ram"));
         let cpu = |m: &str| {
             modes
                 .get(m)
@@ -334,7 +331,7 @@ fn print_table(rows: &[Value]) {
         );
     }
     println!(
-        "(direct, bounce, p2pmem: throughput as a ratio of ram in the same run; CPU: guest CPU s per GiB)"
+        "(direct, bounce, p2pmem: throughput as a ratio of ram's in the same turns; CPU: guest CPU s per GiB)"
     );
 }
 
@@ -354,8 +351,8 @@ fn markdown(rows: &[Value], registration: Option<&Value>) -> String {
     for ((_, qd, bs), modes) in keys {
         let get = |m: &str, k: &str| modes.get(m).and_then(|r| r[k].as_f64());
         let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
-            (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
-            _ => "-".to_owned(),
+            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+            _ => None,
         };
         let num =
             |v: Option<f64>, digits: usize| v.map_or("-".to_owned(), |v| format!("{v:.digits$}"));
@@ -364,14 +361,17 @@ fn markdown(rows: &[Value], registration: Option<&Value>) -> String {
             "| {} qd{qd} | {} | {} | {}-{} | {} | {} | {} | {} | {} |",
             human(bs),
             num(get("ram", "mib_s"), 0),
-            ratio(get("direct", "mib_s"), get("ram", "mib_s")),
+            fmt_ratio(paired(&modes, "direct", "ram")),
             num(get("direct", "mib_s_min"), 0),
             num(get("direct", "mib_s_max"), 0),
-            ratio(get("bounce", "mib_s"), get("ram", "mib_s")),
-            ratio(get("direct", "mib_s"), get("bounce", "mib_s")),
+            fmt_ratio(paired(&modes, "bounce", "ram")),
+            fmt_ratio(paired(&modes, "direct", "bounce")),
             num(get("ram", "cpu_s_per_gib"), 3),
             num(get("direct", "cpu_s_per_gib"), 3),
-            ratio(get("direct", "cpu_s_per_gib"), get("ram", "cpu_s_per_gib")),
+            fmt_ratio(ratio(
+                get("direct", "cpu_s_per_gib"),
+                get("ram", "cpu_s_per_gib")
+            )),
         );
     }
     if let Some(reg) = registration {
@@ -411,14 +411,14 @@ fn print_targets(rows: &[Value]) {
         }
         let get = |m: &str, k: &str| modes.get(m).and_then(|r| r[k].as_f64());
         let at = format!("{} qd{qd}", human(bs));
-        if let (Some(d), Some(r)) = (get("direct", "mib_s"), get("ram", "mib_s"))
+        if let Some(r) = paired(&modes, "direct", "ram")
             && (bs == 1 << 20 || bs == 4 << 20)
             && (qd == 1 || qd == 32)
         {
-            speed.push((d / r, at.clone()));
+            speed.push((r, at.clone()));
         }
-        if let (Some(d), Some(b)) = (get("direct", "mib_s"), get("bounce", "mib_s")) {
-            over_bounce.push((d / b, at.clone()));
+        if let Some(r) = paired(&modes, "direct", "bounce") {
+            over_bounce.push((r, at.clone()));
         }
         if let (Some(d), Some(r)) = (get("direct", "cpu_s_per_gib"), get("ram", "cpu_s_per_gib"))
             && bs >= 1 << 20
@@ -442,6 +442,31 @@ fn print_targets(rows: &[Value]) {
     line("read direct/ram", speed, true, "target >= 0.95");
     line("read direct/bounce", over_bounce, true, "target > 1");
     line("read CPU direct/ram", cpu, false, "target <= 1.2");
+}
+
+/// Mode `a`'s throughput as a ratio of mode `b`'s: the median over the turns of the ratio of
+/// their MiB/s in the same turn (`turn_mib_s`; `fgds bench` runs the modes' turns back to back,
+/// so a burst of load on the host slows both of a pair).
+fn paired(modes: &BTreeMap<String, &Value>, a: &str, b: &str) -> Option<f64> {
+    let turns = |m: &str| {
+        modes
+            .get(m)
+            .and_then(|r| r["turn_mib_s"].as_array())
+            .map(|v| v.iter().filter_map(Value::as_f64).collect::<Vec<_>>())
+    };
+    let (a, b) = (turns(a)?, turns(b)?);
+    let mut ratios = a
+        .iter()
+        .zip(&b)
+        .filter(|&(_, &b)| b > 0.0)
+        .map(|(a, b)| a / b)
+        .collect::<Vec<_>>();
+    ratios.sort_by(f64::total_cmp);
+    ratios.get(ratios.len() / 2).copied()
+}
+
+fn fmt_ratio(r: Option<f64>) -> String {
+    r.map_or("-".to_owned(), |r| format!("{r:.2}"))
 }
 
 /// Block sizes are powers of two: the plots' x axis is their log2, labelled in bytes.

@@ -91,6 +91,8 @@ struct Sample {
     secs: f64,
     cpu_secs: f64,
     latencies: Vec<Duration>,
+    /// MiB/s of each turn.
+    turn_mib_s: Vec<f64>,
 }
 
 impl Sample {
@@ -195,7 +197,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         }
     }
     eprintln!();
-    let mut ram_mib_s = None;
+    let mut ram_turns = None;
     for run in runs {
         release_rings(&run.rings);
         let ModeRun {
@@ -217,8 +219,12 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         let rates = order.iter().map(|&i| rate(&samples[i])).collect::<Vec<_>>();
         let mut cpus = samples.iter().map(cpu_per_gib).collect::<Vec<_>>();
         cpus.sort_by(f64::total_cmp);
+        let turn_mib_s = samples
+            .iter()
+            .flat_map(|s| s.turn_mib_s.iter().copied())
+            .collect::<Vec<_>>();
         if mode == "ram" {
-            ram_mib_s = Some(median);
+            ram_turns = Some(turn_mib_s.clone());
         }
         rows.push(serde_json::json!({
             "kernel": kernel,
@@ -239,7 +245,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "cpu_s_per_gib_max": cpus[cpus.len() - 1],
             "p50_us": mid.percentile_us(0.5),
             "p99_us": mid.percentile_us(0.99),
-            "ratio_to_ram": ram_mib_s.map(|r| median / r),
+            "turn_mib_s": turn_mib_s,
+            "ratio_to_ram": ram_turns.as_deref().and_then(|r| paired_ratio(&turn_mib_s, r)),
             "fixed_buffers": fixed.is_ok(),
             "fixed_buffers_refused": fixed.err(),
         }));
@@ -260,10 +267,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             );
             continue;
         }
-        let ratio = match (row["mib_s"].as_f64(), ram_mib_s) {
-            (Some(v), Some(r)) => format!("{:.2}", v / r),
-            _ => "-".to_owned(),
-        };
+        let ratio = row["ratio_to_ram"]
+            .as_f64()
+            .map_or("-".to_owned(), |r| format!("{r:.2}"));
         println!(
             "{:<8} {:>10.1} {:>8.1}-{:<8.1} {:>10.3} {:>9.0} {:>9.0} {:>8}",
             row["mode"].as_str().unwrap_or(""),
@@ -572,10 +578,27 @@ fn run_turn(
         }
         anyhow::Ok(all)
     })?;
-    sample.secs += started.elapsed().as_secs_f64();
+    let secs = started.elapsed().as_secs_f64();
+    sample.secs += secs;
     sample.cpu_secs += busy_secs(&from, &cpu_clock());
+    let mib = (latencies.len() * opts.block_size) as f64 / (1 << 20) as f64;
+    sample.turn_mib_s.push(mib / secs);
     sample.latencies.extend(latencies);
     Ok(())
+}
+
+/// How fast mode `a` ran against mode `b`: the median, over the turns, of the ratio of their
+/// rates in the same turn (each pair ran back to back, so a burst of load on the host slows
+/// both); `a` and `b` list the MiB/s of the same turns.
+fn paired_ratio(a: &[f64], b: &[f64]) -> Option<f64> {
+    let mut ratios = a
+        .iter()
+        .zip(b)
+        .filter(|&(_, &b)| b > 0.0)
+        .map(|(a, b)| a / b)
+        .collect::<Vec<_>>();
+    ratios.sort_by(f64::total_cmp);
+    ratios.get(ratios.len() / 2).copied()
 }
 
 /// One thread's share: `bytes` (or until `deadline`) in requests of `block_size`, `queue_depth`
