@@ -350,10 +350,6 @@ fn markdown(rows: &[Value], registration: Option<&Value>) -> String {
     keys.sort_by_key(|((_, qd, bs), _)| (*qd, *bs));
     for ((_, qd, bs), modes) in keys {
         let get = |m: &str, k: &str| modes.get(m).and_then(|r| r[k].as_f64());
-        let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
-            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
-            _ => None,
-        };
         let num =
             |v: Option<f64>, digits: usize| v.map_or("-".to_owned(), |v| format!("{v:.digits$}"));
         let _ = writeln!(
@@ -368,10 +364,7 @@ fn markdown(rows: &[Value], registration: Option<&Value>) -> String {
             fmt_ratio(paired(&modes, "direct", "bounce")),
             num(get("ram", "cpu_s_per_gib"), 3),
             num(get("direct", "cpu_s_per_gib"), 3),
-            fmt_ratio(ratio(
-                get("direct", "cpu_s_per_gib"),
-                get("ram", "cpu_s_per_gib")
-            )),
+            fmt_ratio(paired_cpu(&modes, "direct", "ram")),
         );
     }
     if let Some(reg) = registration {
@@ -409,7 +402,6 @@ fn print_targets(rows: &[Value]) {
         if op != "read" {
             continue;
         }
-        let get = |m: &str, k: &str| modes.get(m).and_then(|r| r[k].as_f64());
         let at = format!("{} qd{qd}", human(bs));
         if let Some(r) = paired(&modes, "direct", "ram")
             && (bs == 1 << 20 || bs == 4 << 20)
@@ -420,11 +412,10 @@ fn print_targets(rows: &[Value]) {
         if let Some(r) = paired(&modes, "direct", "bounce") {
             over_bounce.push((r, at.clone()));
         }
-        if let (Some(d), Some(r)) = (get("direct", "cpu_s_per_gib"), get("ram", "cpu_s_per_gib"))
+        if let Some(r) = paired_cpu(&modes, "direct", "ram")
             && bs >= 1 << 20
-            && r > 0.0
         {
-            cpu.push((d / r, at));
+            cpu.push((r, at));
         }
     }
     let line = |what: &str, mut v: Vec<(f64, String)>, worst_is_low: bool, target: &str| {
@@ -448,10 +439,19 @@ fn print_targets(rows: &[Value]) {
 /// their MiB/s in the same turn (`turn_mib_s`; `fgds bench` runs the modes' turns back to back,
 /// so a burst of load on the host slows both of a pair).
 fn paired(modes: &BTreeMap<String, &Value>, a: &str, b: &str) -> Option<f64> {
+    paired_by(modes, "turn_mib_s", a, b)
+}
+
+/// The same for CPU per GiB (`turn_cpu_s_per_gib`).
+fn paired_cpu(modes: &BTreeMap<String, &Value>, a: &str, b: &str) -> Option<f64> {
+    paired_by(modes, "turn_cpu_s_per_gib", a, b)
+}
+
+fn paired_by(modes: &BTreeMap<String, &Value>, key: &str, a: &str, b: &str) -> Option<f64> {
     let turns = |m: &str| {
         modes
             .get(m)
-            .and_then(|r| r["turn_mib_s"].as_array())
+            .and_then(|r| r[key].as_array())
             .map(|v| v.iter().filter_map(Value::as_f64).collect::<Vec<_>>())
     };
     let (a, b) = (turns(a)?, turns(b)?);
@@ -462,7 +462,12 @@ fn paired(modes: &BTreeMap<String, &Value>, a: &str, b: &str) -> Option<f64> {
         .map(|(a, b)| a / b)
         .collect::<Vec<_>>();
     ratios.sort_by(f64::total_cmp);
-    ratios.get(ratios.len() / 2).copied()
+    let n = ratios.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(ratios[n / 2]),
+        _ => Some((ratios[n / 2 - 1] + ratios[n / 2]) / 2.0),
+    }
 }
 
 fn fmt_ratio(r: Option<f64>) -> String {

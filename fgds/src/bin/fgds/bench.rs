@@ -93,6 +93,8 @@ struct Sample {
     latencies: Vec<Duration>,
     /// MiB/s of each turn.
     turn_mib_s: Vec<f64>,
+    /// CPU seconds per GiB of each turn.
+    turn_cpu_s_per_gib: Vec<f64>,
 }
 
 impl Sample {
@@ -223,6 +225,10 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             .iter()
             .flat_map(|s| s.turn_mib_s.iter().copied())
             .collect::<Vec<_>>();
+        let turn_cpu_s_per_gib = samples
+            .iter()
+            .flat_map(|s| s.turn_cpu_s_per_gib.iter().copied())
+            .collect::<Vec<_>>();
         if mode == "ram" {
             ram_turns = Some(turn_mib_s.clone());
         }
@@ -246,6 +252,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "p50_us": mid.percentile_us(0.5),
             "p99_us": mid.percentile_us(0.99),
             "turn_mib_s": turn_mib_s,
+            "turn_cpu_s_per_gib": turn_cpu_s_per_gib,
             "ratio_to_ram": ram_turns.as_deref().and_then(|r| paired_ratio(&turn_mib_s, r)),
             "fixed_buffers": fixed.is_ok(),
             "fixed_buffers_refused": fixed.err(),
@@ -579,10 +586,14 @@ fn run_turn(
         anyhow::Ok(all)
     })?;
     let secs = started.elapsed().as_secs_f64();
+    let cpu_secs = busy_secs(&from, &cpu_clock());
     sample.secs += secs;
-    sample.cpu_secs += busy_secs(&from, &cpu_clock());
+    sample.cpu_secs += cpu_secs;
     let mib = (latencies.len() * opts.block_size) as f64 / (1 << 20) as f64;
     sample.turn_mib_s.push(mib / secs);
+    sample
+        .turn_cpu_s_per_gib
+        .push(cpu_secs / (mib.max(1.0) / 1024.0));
     sample.latencies.extend(latencies);
     Ok(())
 }
@@ -598,7 +609,12 @@ fn paired_ratio(a: &[f64], b: &[f64]) -> Option<f64> {
         .map(|(a, b)| a / b)
         .collect::<Vec<_>>();
     ratios.sort_by(f64::total_cmp);
-    ratios.get(ratios.len() / 2).copied()
+    let n = ratios.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(ratios[n / 2]),
+        _ => Some((ratios[n / 2 - 1] + ratios[n / 2]) / 2.0),
+    }
 }
 
 /// One thread's share: `bytes` (or until `deadline`) in requests of `block_size`, `queue_depth`
