@@ -93,8 +93,6 @@ struct Sample {
     latencies: Vec<Duration>,
     /// MiB/s of each turn.
     turn_mib_s: Vec<f64>,
-    /// CPU seconds per GiB of each turn.
-    turn_cpu_s_per_gib: Vec<f64>,
 }
 
 impl Sample {
@@ -225,10 +223,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             .iter()
             .flat_map(|s| s.turn_mib_s.iter().copied())
             .collect::<Vec<_>>();
-        let turn_cpu_s_per_gib = samples
-            .iter()
-            .flat_map(|s| s.turn_cpu_s_per_gib.iter().copied())
-            .collect::<Vec<_>>();
+        // CPU time is paired repetition by repetition, not turn by turn: a 0.1 s turn is
+        // busy for a few tens of ms, and /proc/stat's 10 ms steps would swamp that.
+        let rep_cpu_s_per_gib = samples.iter().map(cpu_per_gib).collect::<Vec<_>>();
         if mode == "ram" {
             ram_turns = Some(turn_mib_s.clone());
         }
@@ -252,7 +249,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "p50_us": mid.percentile_us(0.5),
             "p99_us": mid.percentile_us(0.99),
             "turn_mib_s": turn_mib_s,
-            "turn_cpu_s_per_gib": turn_cpu_s_per_gib,
+            "rep_cpu_s_per_gib": rep_cpu_s_per_gib,
             "ratio_to_ram": ram_turns.as_deref().and_then(|r| paired_ratio(&turn_mib_s, r)),
             "fixed_buffers": fixed.is_ok(),
             "fixed_buffers_refused": fixed.err(),
@@ -586,14 +583,10 @@ fn run_turn(
         anyhow::Ok(all)
     })?;
     let secs = started.elapsed().as_secs_f64();
-    let cpu_secs = busy_secs(&from, &cpu_clock());
     sample.secs += secs;
-    sample.cpu_secs += cpu_secs;
+    sample.cpu_secs += busy_secs(&from, &cpu_clock());
     let mib = (latencies.len() * opts.block_size) as f64 / (1 << 20) as f64;
     sample.turn_mib_s.push(mib / secs);
-    sample
-        .turn_cpu_s_per_gib
-        .push(cpu_secs / (mib.max(1.0) / 1024.0));
     sample.latencies.extend(latencies);
     Ok(())
 }
