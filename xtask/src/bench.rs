@@ -410,7 +410,15 @@ fn print_targets(rows: &[Value]) {
             speed.push((r, at.clone()));
         }
         if let Some(r) = paired(&modes, "direct", "bounce") {
-            over_bounce.push((r, at.clone()));
+            // How many turns direct won shows whether a margin near 1 is more than noise.
+            let won = turn_rates(&modes, "direct", "turn_mib_s")
+                .zip(turn_rates(&modes, "bounce", "turn_mib_s"))
+                .map(|(d, b)| {
+                    let won = d.iter().zip(&b).filter(|(d, b)| d > b).count();
+                    format!(", won {won} of {} turns", d.len().min(b.len()))
+                })
+                .unwrap_or_default();
+            over_bounce.push((r, format!("{at}{won}")));
         }
         if let Some(r) = paired_cpu(&modes, "direct", "ram")
             && bs >= 1 << 20
@@ -449,13 +457,7 @@ fn paired_cpu(modes: &BTreeMap<String, &Value>, a: &str, b: &str) -> Option<f64>
 }
 
 fn paired_by(modes: &BTreeMap<String, &Value>, key: &str, a: &str, b: &str) -> Option<f64> {
-    let turns = |m: &str| {
-        modes
-            .get(m)
-            .and_then(|r| r[key].as_array())
-            .map(|v| v.iter().filter_map(Value::as_f64).collect::<Vec<_>>())
-    };
-    let (a, b) = (turns(a)?, turns(b)?);
+    let (a, b) = (turn_rates(modes, a, key)?, turn_rates(modes, b, key)?);
     let mut ratios = a
         .iter()
         .zip(&b)
@@ -469,6 +471,14 @@ fn paired_by(modes: &BTreeMap<String, &Value>, key: &str, a: &str, b: &str) -> O
         _ if n % 2 == 1 => Some(ratios[n / 2]),
         _ => Some((ratios[n / 2 - 1] + ratios[n / 2]) / 2.0),
     }
+}
+
+/// Mode `m`'s per-turn (or per-repetition) figures under `key`.
+fn turn_rates(modes: &BTreeMap<String, &Value>, m: &str, key: &str) -> Option<Vec<f64>> {
+    modes
+        .get(m)
+        .and_then(|r| r[key].as_array())
+        .map(|v| v.iter().filter_map(Value::as_f64).collect())
 }
 
 fn fmt_ratio(r: Option<f64>) -> String {
