@@ -217,8 +217,6 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         let mid = &samples[order[order.len() / 2]];
         let median = rate(mid);
         let rates = order.iter().map(|&i| rate(&samples[i])).collect::<Vec<_>>();
-        let mut cpus = samples.iter().map(cpu_per_gib).collect::<Vec<_>>();
-        cpus.sort_by(f64::total_cmp);
         let turn_mib_s = samples
             .iter()
             .flat_map(|s| s.turn_mib_s.iter().copied())
@@ -226,6 +224,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         // CPU time is paired repetition by repetition, not turn by turn: a 0.1 s turn is
         // busy for a few tens of ms, and /proc/stat's 10 ms steps would swamp that.
         let rep_cpu_s_per_gib = samples.iter().map(cpu_per_gib).collect::<Vec<_>>();
+        let mut cpus = rep_cpu_s_per_gib.clone();
+        cpus.sort_by(f64::total_cmp);
         if mode == "ram" {
             ram_turns = Some(turn_mib_s.clone());
         }
@@ -459,8 +459,8 @@ struct CpuClock {
 
 /// Reads the CPU clocks. The kernel keeps idle time to the nanosecond (NO_HZ idle accounting)
 /// and prints it in 10 ms units, so the busy time between two readings,
-/// `cpus * wall - idle`, is off by at most 10 ms; /proc/stat's busy columns instead count
-/// 4 ms scheduler ticks, a sample that misses a large part of a few percent of one CPU.
+/// `cpus * wall - idle`, is off by at most 10 ms; /proc/stat's busy columns instead sample
+/// the 4 ms scheduler tick, too coarse for the few percent of one CPU that large blocks cost.
 fn cpu_clock() -> CpuClock {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
     let at = Instant::now();
