@@ -813,6 +813,14 @@ static int fgds_open(struct inode *inode, struct file *filp)
 	mutex_init(&f->lock);
 	xa_init_flags(&f->bufs, XA_FLAGS_ALLOC1);
 	filp->private_data = f;
+	/*
+	 * The page provider belongs to the GPU and its driver's bind, not to a
+	 * buffer: set it up on open, so that REG_BUFFER does no memory hotplug.
+	 * A failure is logged where it happens and left to REG_BUFFER, which
+	 * tries again or returns the refusal.
+	 */
+	if (READ_ONCE(gpu->pdev->dev.driver))
+		fgds_gpu_prepare(gpu);
 	return 0;
 }
 

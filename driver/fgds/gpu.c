@@ -2,9 +2,9 @@
 /*
  * fgds: struct pages over a GPU's BAR, and the references fgds holds on them.
  *
- * Three providers, chosen when the first buffer of a GPU is registered while
- * the GPU has a driver bound (it is the exporter, or vfio), torn down when
- * that driver unbinds or the GPU goes away:
+ * Three providers, chosen when the GPU's node is opened (or, if that failed,
+ * at the next registration) while the GPU has a driver bound (it is the
+ * exporter, or vfio), torn down when that driver unbinds or the GPU goes away:
  *
  *  1. the exporter registered P2PDMA pages for the BAR: fgds maps those;
  *  2. MEMORY_DEVICE_GENERIC pages, where DMA reaches them exactly as it would

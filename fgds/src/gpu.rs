@@ -52,6 +52,11 @@ impl Gpu {
 
     /// Opens the node of the GPU at PCI address `bdf` (`0000:03:00.0`).
     ///
+    /// The first open since the GPU's driver bound also sets fgds's page provider up for the
+    /// GPU (struct pages over its whole BAR: the kernel's memory hotplug, tens of ms for 1 GiB
+    /// under emulation), so that [`Gpu::register`] never pays for it; keep the `Gpu` open rather
+    /// than opening it per transfer. If that setup is refused, `register` returns the reason.
+    ///
     /// ```no_run
     /// let gpu = fgds::Gpu::open("0000:03:00.0")?;
     /// println!("BAR of {} MiB", gpu.info().bar_size >> 20);

@@ -267,7 +267,7 @@ fn reg_case() -> CaseResult {
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
-    // The provider is set up by a first registration, outside the injection.
+    // The provider is set up (by the open, else this registration) outside the injection.
     common::unreg(&node, common::reg(&node, dmabuf.as_fd(), 0, LEN)?)?;
     let points = walk(
         |n| armed(&inj, n, || reg_once(&node, dmabuf.as_fd())),
@@ -315,8 +315,9 @@ impl Kmsg {
     }
 }
 
-/// The first REG_BUFFER after fgds is loaded sets the page provider up (GENERIC pages or
-/// P2PDMA pages over the whole BAR): each step loads fgds afresh (not injected) first.
+/// The first open of the node after fgds is loaded sets the page provider up (GENERIC pages or
+/// P2PDMA pages over the whole BAR), and a REG_BUFFER tries again where that failed: each step
+/// loads fgds afresh (not injected), then opens the node and registers under the injection.
 ///
 /// The walk covers fgds's own fault points of the setup (the import, the BAR's write-combine
 /// reservation, the devres group) and stops at the first failure injected inside the kernel's
@@ -345,16 +346,35 @@ fn provider_case() -> CaseResult {
             common::sysfs("mode")? == "none",
             "a fresh fgds has a provider"
         );
-        *node.borrow_mut() = Some(common::open_node()?);
         Ok(())
+    };
+    // Opens the node and registers; an open that fails leaves no node, and the check opens one.
+    let open_and_reg = |path: &Path| -> anyhow::Result<Option<Errno>> {
+        let file = match OpenOptions::new().read(true).write(true).open(path) {
+            Ok(file) => file,
+            Err(e) => {
+                let errno = Errno::from_io_error(&e);
+                return Ok(Some(
+                    errno.with_context(|| format!("opening {}: {e}", path.display()))?,
+                ));
+            }
+        };
+        let res = reg_once(&file, dmabuf.as_fd());
+        *node.borrow_mut() = Some(file);
+        res
     };
     let result = walk(
         |n| {
             fresh()?;
+            kmsg.borrow_mut().new_lines();
+            // Looked up before the injection: only the open and the registration run under it.
+            let path = common::node_path()?;
+            let (injected, res) = armed(&inj, n, || open_and_reg(&path))?;
+            if node.borrow().is_none() {
+                *node.borrow_mut() = Some(common::open_node()?);
+            }
             let node = node.borrow();
             let node = node.as_ref().context("no node")?;
-            kmsg.borrow_mut().new_lines();
-            let (injected, res) = armed(&inj, n, || reg_once(node, dmabuf.as_fd()))?;
             let lines = kmsg.borrow_mut().new_lines();
             if let Some(line) = lines.iter().find(|l| {
                 l.contains("cannot register P2PDMA pages") || l.contains("memremap_pages of BAR")

@@ -92,7 +92,7 @@ fn unload_refused_while_registered() -> CaseResult {
 fn unload_clean_after_release() -> CaseResult {
     fault::require_idle()?;
     // A registration made and released just before, so the unload also tears the provider
-    // down (the first registration set it up).
+    // down (opening the node set it up).
     fault::data_check(4 * MIB, 2 * MIB)?;
     fault::wait_counters_zero("after the last buffer was released")?;
     fault::wait_vgpu_buffers_gone("before the unload")?;
@@ -124,10 +124,10 @@ fn unload_clean_after_release() -> CaseResult {
 }
 
 /// `pages=` takes auto, p2pdma or generic: anything else fails the load with EINVAL and a log
-/// line naming the choices. `pages=p2pdma` on a kernel without CONFIG_PCI_P2PDMA loads, then
-/// refuses the first registration with EOPNOTSUPP and a line that says how to load fgds
-/// instead (sysfs mode "refused"); on a kernel with it, the GPU gets P2PDMA pages and reads
-/// land. fgds is loaded again with the init's parameters either way.
+/// line naming the choices. `pages=p2pdma` on a kernel without CONFIG_PCI_P2PDMA loads, logs
+/// when the node is opened a line that says how to load fgds instead, and refuses
+/// registrations with EOPNOTSUPP (sysfs mode "refused"); on a kernel with it, the GPU gets
+/// P2PDMA pages and reads land. fgds is loaded again with the init's parameters either way.
 fn pages_parameter_checked() -> CaseResult {
     fault::require_idle()?;
     fault::wait_vgpu_buffers_gone("before the unload")?;

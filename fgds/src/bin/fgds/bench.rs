@@ -50,7 +50,9 @@ pub struct Options {
     /// Split each timed repetition into this many turns per mode, the modes taking turns, so
     /// that a burst of load on the host falls on every mode alike. Default: one turn per 0.1 s
     /// where a turn's requests in flight are at most 4 MiB (more only lengthen the drain at
-    /// each turn's end), else one.
+    /// each turn's end), one per 0.02 s where they are at most 64 KiB (a hundred requests or
+    /// more, and bursts of the host's load shorter than 0.1 s then fall on both of a pair),
+    /// else one.
     #[arg(long)]
     turns: Option<usize>,
     /// Where in the file the I/O starts.
@@ -436,17 +438,20 @@ fn slot_offset(slot: usize, bs: usize, region: usize) -> usize {
 
 /// Turns per repetition (`--turns`, or the default it describes).
 fn turns(opts: &Options) -> usize {
-    const TURN_SECS: f64 = 0.1;
+    const SHORT_TURNS_IN_FLIGHT: usize = 64 << 10;
     const MAX_IN_FLIGHT: usize = 4 << 20;
-    match (opts.turns, opts.seconds) {
-        (Some(turns), _) => turns.max(1),
-        (None, Some(secs))
-            if opts.block_size * opts.queue_depth * opts.threads <= MAX_IN_FLIGHT =>
-        {
-            ((secs / TURN_SECS) as usize).max(1)
-        }
-        _ => 1,
+    if let Some(turns) = opts.turns {
+        return turns.max(1);
     }
+    let Some(secs) = opts.seconds else {
+        return 1;
+    };
+    let turn_secs = match opts.block_size * opts.queue_depth * opts.threads {
+        n if n <= SHORT_TURNS_IN_FLIGHT => 0.02,
+        n if n <= MAX_IN_FLIGHT => 0.1,
+        _ => return 1,
+    };
+    ((secs / turn_secs) as usize).max(1)
 }
 
 /// The machine's CPU clocks at one moment: the monotonic clock, and the time all CPUs have
