@@ -435,7 +435,16 @@ fn print_targets(rows: &[Value]) {
                     format!(", won {won} of {} turns", d.len().min(b.len()))
                 })
                 .unwrap_or_default();
-            over_bounce.push((r, format!("{at}{won}")));
+            // The median request's time, which the host's stalls barely move, where the
+            // throughput's margin is within 1%.
+            let p50 = |mode: &str| modes.get(mode).and_then(|m| m["p50_us"].as_f64());
+            let median = match (p50("direct"), p50("bounce")) {
+                (Some(d), Some(b)) if (r - 1.0).abs() < 0.01 => {
+                    format!("; median request {d:.1} us against {b:.1}")
+                }
+                _ => String::new(),
+            };
+            over_bounce.push((r, format!("{at}{won}{median}")));
         }
         if let Some(r) = paired_cpu(&modes, "direct", "ram")
             && bs >= 1 << 20
@@ -450,7 +459,7 @@ fn print_targets(rows: &[Value]) {
         }
         let shown = v
             .iter()
-            .map(|(x, at)| format!("{x:.2} ({at})"))
+            .map(|(x, at)| format!("{} ({at})", fmt_ratio(Some(*x))))
             .collect::<Vec<_>>()
             .join(", ");
         println!("{what} [{target}]: {shown}");
@@ -498,8 +507,13 @@ fn turn_rates(modes: &BTreeMap<String, &Value>, m: &str, key: &str) -> Option<Ve
         .map(|v| v.iter().filter_map(Value::as_f64).collect())
 }
 
+/// Two decimals, or three where that would read 1.00 and hide which side of 1 it is.
 fn fmt_ratio(r: Option<f64>) -> String {
-    r.map_or("-".to_owned(), |r| format!("{r:.2}"))
+    match r {
+        None => "-".to_owned(),
+        Some(r) if (r - 1.0).abs() < 0.005 && r != 1.0 => format!("{r:.3}"),
+        Some(r) => format!("{r:.2}"),
+    }
 }
 
 /// Block sizes are powers of two: the plots' x axis is their log2, labelled in bytes.
