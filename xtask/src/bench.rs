@@ -428,19 +428,26 @@ fn print_targets(rows: &[Value]) {
         }
         if let Some(r) = paired(&modes, "direct", "bounce") {
             // How many turns direct won shows whether a margin near 1 is more than noise.
-            let won = turn_rates(&modes, "direct", "turn_mib_s")
-                .zip(turn_rates(&modes, "bounce", "turn_mib_s"))
+            let won = turn_values(&modes, "direct", "turn_mib_s")
+                .zip(turn_values(&modes, "bounce", "turn_mib_s"))
                 .map(|(d, b)| {
                     let won = d.iter().zip(&b).filter(|(d, b)| d > b).count();
                     format!(", won {won} of {} turns", d.len().min(b.len()))
                 })
                 .unwrap_or_default();
-            // The median request's time, which the host's stalls barely move, where the
-            // throughput's margin is within 1%.
+            // Where the throughput's margin is within 1%, each turn's median request time too,
+            // which a stall of the host (a few slow requests in a turn) barely moves.
             let p50 = |mode: &str| modes.get(mode).and_then(|m| m["p50_us"].as_f64());
+            let shorter = turn_values(&modes, "direct", "turn_p50_us")
+                .zip(turn_values(&modes, "bounce", "turn_p50_us"))
+                .map(|(d, b)| {
+                    let n = d.iter().zip(&b).filter(|(d, b)| d < b).count();
+                    format!(" shorter in {n} of {} turns;", d.len().min(b.len()))
+                })
+                .unwrap_or_default();
             let median = match (p50("direct"), p50("bounce")) {
                 (Some(d), Some(b)) if (r - 1.0).abs() < 0.01 => {
-                    format!("; median request {d:.1} us against {b:.1}")
+                    format!("; median request{shorter} {d:.1} us against {b:.1}")
                 }
                 _ => String::new(),
             };
@@ -483,7 +490,7 @@ fn paired_cpu(modes: &BTreeMap<String, &Value>, a: &str, b: &str) -> Option<f64>
 }
 
 fn paired_by(modes: &BTreeMap<String, &Value>, key: &str, a: &str, b: &str) -> Option<f64> {
-    let (a, b) = (turn_rates(modes, a, key)?, turn_rates(modes, b, key)?);
+    let (a, b) = (turn_values(modes, a, key)?, turn_values(modes, b, key)?);
     let mut ratios = a
         .iter()
         .zip(&b)
@@ -500,7 +507,7 @@ fn paired_by(modes: &BTreeMap<String, &Value>, key: &str, a: &str, b: &str) -> O
 }
 
 /// Mode `m`'s per-turn (or per-repetition) figures under `key`.
-fn turn_rates(modes: &BTreeMap<String, &Value>, m: &str, key: &str) -> Option<Vec<f64>> {
+fn turn_values(modes: &BTreeMap<String, &Value>, m: &str, key: &str) -> Option<Vec<f64>> {
     modes
         .get(m)
         .and_then(|r| r[key].as_array())

@@ -152,6 +152,13 @@ fn bench_runs_every_mode() -> CaseResult {
     for row in &rows {
         ktap::diag(row.to_string());
         ensure!(row["turns"] == 4, "expected four turns: {row}");
+        let per_turn = |key: &str| row[key].as_array().map_or(0, Vec::len);
+        ensure!(
+            per_turn("turn_mib_s") == 4
+                && per_turn("turn_p50_us") == 4
+                && row["turn_p50_us"][0].as_f64().is_some_and(|us| us > 0.0),
+            "expected each of the four turns' MiB/s and median latency: {row}"
+        );
         ensure!(
             row["total_bytes"].as_u64().is_some_and(|b| b >= 4 * 65536)
                 && row["cpu_s_per_gib"].as_f64().is_some_and(|c| c > 0.0),

@@ -95,6 +95,9 @@ struct Sample {
     latencies: Vec<Duration>,
     /// MiB/s of each turn.
     turn_mib_s: Vec<f64>,
+    /// The median request's latency in each turn, in microseconds: a stall of the host slows
+    /// a few requests of a turn, which moves its MiB/s but not this.
+    turn_p50_us: Vec<f64>,
 }
 
 impl Sample {
@@ -223,6 +226,10 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             .iter()
             .flat_map(|s| s.turn_mib_s.iter().copied())
             .collect::<Vec<_>>();
+        let turn_p50_us = samples
+            .iter()
+            .flat_map(|s| s.turn_p50_us.iter().copied())
+            .collect::<Vec<_>>();
         // CPU time is paired repetition by repetition, not turn by turn: a 0.1 s turn is
         // busy for a few tens of ms, and /proc/stat's 10 ms steps would swamp that.
         let rep_cpu_s_per_gib = samples.iter().map(cpu_per_gib).collect::<Vec<_>>();
@@ -251,6 +258,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "p50_us": mid.percentile_us(0.5),
             "p99_us": mid.percentile_us(0.99),
             "turn_mib_s": turn_mib_s,
+            "turn_p50_us": turn_p50_us,
             "rep_cpu_s_per_gib": rep_cpu_s_per_gib,
             "ratio_to_ram": ram_turns.as_deref().and_then(|r| paired_ratio(&turn_mib_s, r)),
             "fixed_buffers": fixed.is_ok(),
@@ -592,6 +600,13 @@ fn run_turn(
     sample.cpu_secs += busy_secs(&from, &cpu_clock());
     let mib = (latencies.len() * opts.block_size) as f64 / (1 << 20) as f64;
     sample.turn_mib_s.push(mib / secs);
+    let mut sorted = latencies.clone();
+    sorted.sort();
+    sample.turn_p50_us.push(
+        sorted
+            .get(sorted.len() / 2)
+            .map_or(0.0, |d| d.as_secs_f64() * 1e6),
+    );
     sample.latencies.extend(latencies);
     Ok(())
 }
