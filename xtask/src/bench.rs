@@ -428,22 +428,14 @@ fn print_targets(rows: &[Value]) {
         }
         if let Some(r) = paired(&modes, "direct", "bounce") {
             // How many turns direct won shows whether a margin near 1 is more than noise.
-            let won = turn_values(&modes, "direct", "turn_mib_s")
-                .zip(turn_values(&modes, "bounce", "turn_mib_s"))
-                .map(|(d, b)| {
-                    let won = d.iter().zip(&b).filter(|(d, b)| d > b).count();
-                    format!(", won {won} of {} turns", d.len().min(b.len()))
-                })
+            let won = turns_where(&modes, "turn_mib_s", |d, b| d > b)
+                .map(|won| format!(", won {won} turns"))
                 .unwrap_or_default();
             // Where the throughput's margin is within 1%, each turn's median request time too,
             // which a stall of the host (a few slow requests in a turn) barely moves.
             let p50 = |mode: &str| modes.get(mode).and_then(|m| m["p50_us"].as_f64());
-            let shorter = turn_values(&modes, "direct", "turn_p50_us")
-                .zip(turn_values(&modes, "bounce", "turn_p50_us"))
-                .map(|(d, b)| {
-                    let n = d.iter().zip(&b).filter(|(d, b)| d < b).count();
-                    format!(" shorter in {n} of {} turns;", d.len().min(b.len()))
-                })
+            let shorter = turns_where(&modes, "turn_p50_us", |d, b| d < b)
+                .map(|n| format!(" shorter in {n} turns;"))
                 .unwrap_or_default();
             let median = match (p50("direct"), p50("bounce")) {
                 (Some(d), Some(b)) if (r - 1.0).abs() < 0.01 => {
@@ -504,6 +496,21 @@ fn paired_by(modes: &BTreeMap<String, &Value>, key: &str, a: &str, b: &str) -> O
         _ if n % 2 == 1 => Some(ratios[n / 2]),
         _ => Some((ratios[n / 2 - 1] + ratios[n / 2]) / 2.0),
     }
+}
+
+/// In how many of their turns `direct`'s figure under `key` and `bounce`'s satisfy `holds`,
+/// as "N of M".
+fn turns_where(
+    modes: &BTreeMap<String, &Value>,
+    key: &str,
+    holds: fn(f64, f64) -> bool,
+) -> Option<String> {
+    let (d, b) = (
+        turn_values(modes, "direct", key)?,
+        turn_values(modes, "bounce", key)?,
+    );
+    let n = d.iter().zip(&b).filter(|&(&d, &b)| holds(d, b)).count();
+    Some(format!("{n} of {}", d.len().min(b.len())))
 }
 
 /// Mode `m`'s per-turn (or per-repetition) figures under `key`.

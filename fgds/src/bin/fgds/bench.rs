@@ -565,7 +565,7 @@ fn run_turn(
     let deadline = opts
         .seconds
         .map(|s| started + Duration::from_secs_f64(s.max(0.0) / turns as f64));
-    let latencies = std::thread::scope(|scope| {
+    let mut latencies = std::thread::scope(|scope| {
         let handles = run
             .rings
             .iter_mut()
@@ -600,11 +600,10 @@ fn run_turn(
     sample.cpu_secs += busy_secs(&from, &cpu_clock());
     let mib = (latencies.len() * opts.block_size) as f64 / (1 << 20) as f64;
     sample.turn_mib_s.push(mib / secs);
-    let mut sorted = latencies.clone();
-    sorted.sort();
+    latencies.sort();
     sample.turn_p50_us.push(
-        sorted
-            .get(sorted.len() / 2)
+        latencies
+            .get(latencies.len() / 2)
             .map_or(0.0, |d| d.as_secs_f64() * 1e6),
     );
     sample.latencies.extend(latencies);
