@@ -156,8 +156,17 @@ fn bench_runs_every_mode() -> CaseResult {
         ensure!(
             per_turn("turn_mib_s") == 4
                 && per_turn("turn_p50_us") == 4
+                && per_turn("turn_cpu_s_per_gib") == 4
                 && row["turn_p50_us"][0].as_f64().is_some_and(|us| us > 0.0),
-            "expected each of the four turns' MiB/s and median latency: {row}"
+            "expected each of the four turns' MiB/s, median latency and CPU per GiB: {row}"
+        );
+        // CPU time is the scheduler's, in nanoseconds: every turn costs some.
+        ensure!(
+            row["cpu_clock"] == "schedstat-ns"
+                && row["turn_cpu_s_per_gib"]
+                    .as_array()
+                    .is_some_and(|t| t.iter().all(|c| c.as_f64().is_some_and(|c| c > 0.0))),
+            "expected CPU time from /proc/schedstat, some in every turn: {row}"
         );
         ensure!(
             row["total_bytes"].as_u64().is_some_and(|b| b >= 4 * 65536)

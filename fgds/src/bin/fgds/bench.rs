@@ -1,6 +1,8 @@
 //! `fgds bench`, in the manner of NVIDIA's gdsio: one workload (direction, block size, queue
 //! depth, threads, bytes) through each mode, with throughput, latency and the whole machine's
 //! CPU time per GiB, and each mode's throughput as a ratio of `ram` from the same run.
+//! The CPU time is the scheduler's run time of every task on every CPU, from /proc/schedstat
+//! (the JSON's `cpu_clock` says which clock; see [`CpuSource`]).
 //!
 //! Modes:
 //! - `ram`: into (or out of) a RAM buffer: the drive's ceiling;
@@ -98,6 +100,8 @@ struct Sample {
     /// The median request's latency in each turn, in microseconds: a stall of the host slows
     /// a few requests of a turn, which moves its MiB/s but not this.
     turn_p50_us: Vec<f64>,
+    /// The machine's CPU seconds per GiB moved in each turn.
+    turn_cpu_s_per_gib: Vec<f64>,
 }
 
 impl Sample {
@@ -175,6 +179,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             samples: Vec::new(),
         });
     }
+    let clock = CpuSource::detect();
+    cpu_clock(clock)?;
     let turns = turns(opts);
     for (what, count) in [("warm-up", opts.warmup), ("repetition", opts.repeat)] {
         for rep in 0..count {
@@ -190,7 +196,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
                         opts.threads,
                         rep + 1,
                     );
-                    run_turn(run, turns, &file, opts, write, sample)?;
+                    run_turn(run, turns, &file, opts, write, clock, sample)?;
                 }
             }
             if what == "repetition" {
@@ -230,8 +236,12 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             .iter()
             .flat_map(|s| s.turn_p50_us.iter().copied())
             .collect::<Vec<_>>();
-        // CPU time is paired repetition by repetition, not turn by turn: a 0.1 s turn is
-        // busy for a few tens of ms, and /proc/stat's 10 ms steps would swamp that.
+        // CPU time per turn, to pair turn by turn as throughput is (with /proc/stat's 10 ms
+        // steps only the repetitions' sums mean much).
+        let turn_cpu_s_per_gib = samples
+            .iter()
+            .flat_map(|s| s.turn_cpu_s_per_gib.iter().copied())
+            .collect::<Vec<_>>();
         let rep_cpu_s_per_gib = samples.iter().map(cpu_per_gib).collect::<Vec<_>>();
         let mut cpus = rep_cpu_s_per_gib.clone();
         cpus.sort_by(f64::total_cmp);
@@ -260,6 +270,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "turn_mib_s": turn_mib_s,
             "turn_p50_us": turn_p50_us,
             "rep_cpu_s_per_gib": rep_cpu_s_per_gib,
+            "turn_cpu_s_per_gib": turn_cpu_s_per_gib,
+            "cpu_clock": clock.name(),
             "ratio_to_ram": ram_turns.as_deref().and_then(|r| paired_ratio(&turn_mib_s, r)),
             "fixed_buffers": fixed.is_ok(),
             "fixed_buffers_refused": fixed.err(),
@@ -462,47 +474,107 @@ fn turns(opts: &Options) -> usize {
     ((secs / turn_secs) as usize).max(1)
 }
 
-/// The machine's CPU clocks at one moment: the monotonic clock, and the time all CPUs have
-/// spent idle (idle and iowait of /proc/stat's `cpu` line) with how many there are.
-struct CpuClock {
-    at: Instant,
-    cpus: u32,
-    idle_secs: f64,
+/// Where the machine's CPU time comes from.
+///
+/// The scheduler's run time of every task on every CPU (/proc/schedstat's `rq_cpu_time`,
+/// counted in nanoseconds at each context switch) is the default. It leaves out interrupts
+/// taken while a CPU idles, and counts a task's stint on a CPU when the stint ends, so a
+/// stint in progress at a reading falls after it (the reader's own: a turn's bookkeeping,
+/// microseconds). The alternative, wall time less idle time as /proc/stat prints it, is kept
+/// where there is no /proc/schedstat: its 10 ms units cannot measure a turn of 0.1 s that keeps
+/// the machine busy for a few ms, and from 7.x on the kernel counts idle time partly by the
+/// 4 ms tick, which over-counts it for a process that sleeps thousands of times a second
+/// (docs/performance.md).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum CpuSource {
+    Schedstat,
+    ProcStat,
 }
 
-/// Reads the CPU clocks. The kernel keeps idle time to the nanosecond (NO_HZ idle accounting)
-/// and prints it in 10 ms units, so the busy time between two readings,
-/// `cpus * wall - idle`, is off by at most 10 ms; /proc/stat's busy columns instead sample
-/// the 4 ms scheduler tick, too coarse for the few percent of one CPU that large blocks cost.
-fn cpu_clock() -> CpuClock {
-    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let at = Instant::now();
-    let mut lines = stat.lines();
-    let fields = lines
-        .next()
-        .unwrap_or_default()
-        .split_whitespace()
-        .skip(1)
-        .map(|v| v.parse::<u64>().unwrap_or(0))
-        .collect::<Vec<_>>();
-    let cpus = lines
-        .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
-        .count() as u32;
-    // user nice system idle iowait ...
-    let idle = fields.get(3).copied().unwrap_or(0) + fields.get(4).copied().unwrap_or(0);
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    CpuClock {
-        at,
-        cpus: cpus.max(1),
-        idle_secs: idle as f64 / hz,
+impl CpuSource {
+    fn detect() -> CpuSource {
+        if std::path::Path::new("/proc/schedstat").exists() {
+            CpuSource::Schedstat
+        } else {
+            CpuSource::ProcStat
+        }
+    }
+
+    /// As the JSON's `cpu_clock` names it.
+    fn name(self) -> &'static str {
+        match self {
+            CpuSource::Schedstat => "schedstat-ns",
+            CpuSource::ProcStat => "proc-stat-10ms",
+        }
     }
 }
 
-/// CPU seconds the whole machine was busy between two readings.
-fn busy_secs(from: &CpuClock, to: &CpuClock) -> f64 {
-    let wall = to.at.duration_since(from.at).as_secs_f64();
-    (f64::from(to.cpus) * wall - (to.idle_secs - from.idle_secs)).max(0.0)
+/// The machine's CPU clocks at one moment: the monotonic clock, and the CPUs' summed run time
+/// (schedstat) or idle time (/proc/stat) in seconds, with how many CPUs there are.
+struct CpuClock {
+    at: Instant,
+    cpus: u32,
+    secs: f64,
+}
+
+/// Reads the CPU clocks.
+fn cpu_clock(source: CpuSource) -> anyhow::Result<CpuClock> {
+    // Which line holds the figure and in which columns (counting the name as 0): each CPU's
+    // line "cpuN ..." in /proc/schedstat; in /proc/stat the first line, "cpu ...", whose idle
+    // and iowait sum the CPUs' before they are printed in 10 ms units (a sum of the per-CPU
+    // lines would add a unit of error per CPU).
+    let (path, per_cpu_figures, columns, unit_secs) = match source {
+        CpuSource::Schedstat => ("/proc/schedstat", true, 7..8, 1e-9),
+        // SAFETY: sysconf has no preconditions.
+        CpuSource::ProcStat => (
+            "/proc/stat",
+            false,
+            4..6,
+            1.0 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64,
+        ),
+    };
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {path}"))?;
+    let at = Instant::now();
+    let mut cpus = 0;
+    let mut total = 0u64;
+    for line in text.lines() {
+        let fields = line.split_whitespace().collect::<Vec<_>>();
+        let per_cpu = match fields.first() {
+            Some(&"cpu") => false,
+            Some(name) if name.starts_with("cpu") => true,
+            _ => continue,
+        };
+        cpus += u32::from(per_cpu);
+        if per_cpu != per_cpu_figures {
+            continue;
+        }
+        for c in columns.clone() {
+            total += fields
+                .get(c)
+                .and_then(|v| v.parse::<u64>().ok())
+                .with_context(|| format!("{path}: no figure in column {c} of {line:?}"))?;
+        }
+    }
+    if cpus == 0 {
+        bail!("{path}: no per-CPU lines");
+    }
+    Ok(CpuClock {
+        at,
+        cpus,
+        secs: total as f64 * unit_secs,
+    })
+}
+
+/// CPU seconds the whole machine was busy between two readings. Under /proc/stat that is
+/// `cpus * wall - idle`, which the tick's sampling can make come out below zero.
+fn busy_secs(source: CpuSource, from: &CpuClock, to: &CpuClock) -> f64 {
+    let grew = to.secs - from.secs;
+    match source {
+        CpuSource::Schedstat => grew,
+        CpuSource::ProcStat => {
+            f64::from(to.cpus) * to.at.duration_since(from.at).as_secs_f64() - grew
+        }
+    }
 }
 
 /// One io_uring per thread, each with its part of the target registered as its fixed buffer
@@ -554,13 +626,14 @@ fn run_turn(
     file: &File,
     opts: &Options,
     write: bool,
+    clock: CpuSource,
     sample: &mut Sample,
 ) -> anyhow::Result<()> {
     let region = region_len(opts);
     let per_thread = opts.total / (opts.threads * turns) as u64;
     let fixed = run.fixed.is_ok();
     let target = &run.target;
-    let from = cpu_clock();
+    let from = cpu_clock(clock)?;
     let started = Instant::now();
     let deadline = opts
         .seconds
@@ -597,9 +670,12 @@ fn run_turn(
     })?;
     let secs = started.elapsed().as_secs_f64();
     sample.secs += secs;
-    sample.cpu_secs += busy_secs(&from, &cpu_clock());
+    let busy = busy_secs(clock, &from, &cpu_clock(clock)?);
+    sample.cpu_secs += busy;
     let mib = (latencies.len() * opts.block_size) as f64 / (1 << 20) as f64;
     sample.turn_mib_s.push(mib / secs);
+    let gib = (latencies.len() * opts.block_size).max(1) as f64 / (1u64 << 30) as f64;
+    sample.turn_cpu_s_per_gib.push(busy / gib);
     latencies.sort();
     sample.turn_p50_us.push(
         latencies
