@@ -150,7 +150,7 @@ fn grid() -> CaseResult {
         };
         for &bs in sizes {
             for &qd in depths {
-                // A second per repetition (ten turns where at most 4 MiB is in flight). Three
+                // A second per repetition (ten turns where at most 512 MiB is in flight). Three
                 // at 4 KiB depth 1, where what sets direct apart from bounce, the copy of 4 KiB,
                 // is about 1% of a request: the paired turns need that many to show it.
                 let amount = Amount::Seconds(if bs == 4 << 10 && qd == 1 {

@@ -51,10 +51,10 @@ pub struct Options {
     seconds: Option<f64>,
     /// Split each timed repetition into this many turns per mode, the modes taking turns, so
     /// that a burst of load on the host falls on every mode alike. Default: one turn per 0.1 s
-    /// where a turn's requests in flight are at most 4 MiB (more only lengthen the drain at
-    /// each turn's end), one per 0.02 s where they are at most 64 KiB (a hundred requests or
-    /// more, and bursts of the host's load shorter than 0.1 s then fall on both of a pair),
-    /// else one.
+    /// where a turn's requests in flight are at most 512 MiB (which a drive at 8 GiB/s
+    /// completes in about 60 ms: beyond, a turn would be a single batch of requests), one per
+    /// 0.02 s where they are at most 64 KiB (a hundred requests or more, and bursts of the
+    /// host's load shorter than 0.1 s then fall on both of a pair), else one.
     #[arg(long)]
     turns: Option<usize>,
     /// Where in the file the I/O starts.
@@ -459,7 +459,7 @@ fn slot_offset(slot: usize, bs: usize, region: usize) -> usize {
 /// Turns per repetition (`--turns`, or the default it describes).
 fn turns(opts: &Options) -> usize {
     const SHORT_TURNS_IN_FLIGHT: usize = 64 << 10;
-    const MAX_IN_FLIGHT: usize = 4 << 20;
+    const MAX_IN_FLIGHT: usize = 512 << 20;
     if let Some(turns) = opts.turns {
         return turns.max(1);
     }
