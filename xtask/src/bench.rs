@@ -479,9 +479,9 @@ fn print_targets(rows: &[Value]) {
     );
 }
 
-/// Mode `a`'s throughput as a ratio of mode `b`'s: the median over the turns of the ratio of
-/// their MiB/s in the same turn (`turn_mib_s`; `fgds bench` runs the modes' turns back to back,
-/// so a burst of load on the host slows both of a pair).
+/// Mode `a`'s throughput as a ratio of mode `b`'s: the median, over pairs of consecutive turns,
+/// of the ratio of their MiB/s in those turns (`turn_mib_s`; `fgds bench` runs the modes' turns
+/// back to back, so a burst of load on the host slows both).
 fn paired(modes: &BTreeMap<String, &Value>, a: &str, b: &str) -> Option<f64> {
     paired_by(modes, "turn_mib_s", a, b)
 }
@@ -507,10 +507,13 @@ fn fine_cpu_clock(modes: &BTreeMap<String, &Value>, m: &str) -> bool {
 
 fn paired_by(modes: &BTreeMap<String, &Value>, key: &str, a: &str, b: &str) -> Option<f64> {
     let (a, b) = (turn_values(modes, a, key)?, turn_values(modes, b, key)?);
+    // Two rounds at a time: `fgds bench` swaps ram and direct every other round, so that over
+    // two each has followed bounce once (docs/performance.md, section 12).
     let mut ratios = a
-        .iter()
-        .zip(&b)
-        .filter(|&(_, &b)| b > 0.0)
+        .chunks(2)
+        .zip(b.chunks(2))
+        .map(|(a, b)| (a.iter().sum::<f64>(), b.iter().sum::<f64>()))
+        .filter(|&(_, b)| b > 0.0)
         .map(|(a, b)| a / b)
         .collect::<Vec<_>>();
     ratios.sort_by(f64::total_cmp);

@@ -182,11 +182,21 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let clock = CpuSource::detect();
     cpu_clock(clock)?;
     let turns = turns(opts);
+    // The first two modes (ram and direct) trade places every other round, so that each follows
+    // the last (bounce, whose turn leaves the next one cheaper and slower) as often as the other
+    // does; a pair of turns is compared over two rounds (`paired_ratio`).
+    let mut round = 0usize;
     for (what, count) in [("warm-up", opts.warmup), ("repetition", opts.repeat)] {
         for rep in 0..count {
             let mut samples = runs.iter().map(|_| Sample::default()).collect::<Vec<_>>();
             for _ in 0..turns {
-                for (run, sample) in runs.iter_mut().zip(&mut samples) {
+                let mut order = (0..runs.len()).collect::<Vec<_>>();
+                if round % 2 == 1 && order.len() > 2 {
+                    order.swap(0, 1);
+                }
+                round += 1;
+                for i in order {
+                    let (run, sample) = (&mut runs[i], &mut samples[i]);
                     eprint!(
                         "\rbench: {} {} {} KiB qd {} x{}: {what} {}/{count}   ",
                         run.mode,
@@ -492,11 +502,24 @@ enum CpuSource {
 }
 
 impl CpuSource {
+    /// /proc/schedstat where its CPU lines are known to hold `rq_cpu_time` in column 7
+    /// (versions 15 to 17, kernels 4.x to 7.x), else /proc/stat, saying so.
     fn detect() -> CpuSource {
-        if std::path::Path::new("/proc/schedstat").exists() {
-            CpuSource::Schedstat
-        } else {
-            CpuSource::ProcStat
+        let text = std::fs::read_to_string("/proc/schedstat").unwrap_or_default();
+        let version = text
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix("version "))
+            .and_then(|v| v.trim().parse::<u32>().ok());
+        match version {
+            Some(15..=17) => CpuSource::Schedstat,
+            _ => {
+                eprintln!(
+                    "bench: no /proc/schedstat of a known version ({version:?}; the kernel needs \
+                     CONFIG_SCHEDSTATS): CPU time from /proc/stat, in 10 ms steps"
+                );
+                CpuSource::ProcStat
+            }
         }
     }
 
@@ -686,14 +709,16 @@ fn run_turn(
     Ok(())
 }
 
-/// How fast mode `a` ran against mode `b`: the median, over the turns, of the ratio of their
-/// rates in the same turn (each pair ran back to back, so a burst of load on the host slows
-/// both); `a` and `b` list the MiB/s of the same turns.
+/// How fast mode `a` ran against mode `b`: the median, over pairs of consecutive turns, of the
+/// ratio of their mean rates in those turns (each mode's turns ran back to back with the other's,
+/// so a burst of load on the host slows both; over two rounds each of the first two modes has
+/// followed the last mode once); `a` and `b` list the MiB/s of the same turns.
 fn paired_ratio(a: &[f64], b: &[f64]) -> Option<f64> {
     let mut ratios = a
-        .iter()
-        .zip(b)
-        .filter(|&(_, &b)| b > 0.0)
+        .chunks(2)
+        .zip(b.chunks(2))
+        .map(|(a, b)| (a.iter().sum::<f64>(), b.iter().sum::<f64>()))
+        .filter(|&(_, b)| b > 0.0)
         .map(|(a, b)| a / b)
         .collect::<Vec<_>>();
     ratios.sort_by(f64::total_cmp);
