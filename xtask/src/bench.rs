@@ -467,15 +467,15 @@ fn print_targets(rows: &[Value]) {
     line("read direct/bounce", over_bounce, true, "target > 1");
     let measured = rows.iter().filter(|r| r["mib_s"].is_number());
     let by = if measured.clone().all(|r| r["cpu_clock"] == "schedstat-ns") {
-        "turn by turn, /proc/schedstat's clock"
+        "paired two rounds at a time, /proc/schedstat's clock"
     } else {
-        "repetition by repetition, /proc/stat's 10 ms clock"
+        "paired by repetitions, /proc/stat's 10 ms clock"
     };
     line(
         "read CPU direct/ram",
         cpu,
         false,
-        &format!("target <= 1.2; paired {by}"),
+        &format!("target <= 1.2; {by}"),
     );
 }
 
