@@ -486,9 +486,9 @@ fn paired(modes: &BTreeMap<String, &Value>, a: &str, b: &str) -> Option<f64> {
     paired_by(modes, "turn_mib_s", a, b)
 }
 
-/// The same for CPU per GiB: turn by turn where the guest read its CPU time from
-/// /proc/schedstat (nanoseconds), else repetition by repetition (`rep_cpu_s_per_gib`: a turn
-/// of 0.1 s is too short for /proc/stat's 10 ms steps).
+/// The same for CPU per GiB: over the turns where the guest read its CPU time from
+/// /proc/schedstat (nanoseconds), else over the repetitions (`rep_cpu_s_per_gib`: a turn of
+/// 0.1 s is too short for /proc/stat's 10 ms steps).
 fn paired_cpu(modes: &BTreeMap<String, &Value>, a: &str, b: &str) -> Option<f64> {
     let key = if fine_cpu_clock(modes, a) && fine_cpu_clock(modes, b) {
         "turn_cpu_s_per_gib"

@@ -180,6 +180,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         });
     }
     let clock = CpuSource::detect();
+    // A clock that cannot be read fails the run here, before any I/O.
     cpu_clock(clock)?;
     let turns = turns(opts);
     // The first two modes (ram and direct) trade places every other round, so that each follows
@@ -246,8 +247,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             .iter()
             .flat_map(|s| s.turn_p50_us.iter().copied())
             .collect::<Vec<_>>();
-        // CPU time per turn, to pair turn by turn as throughput is (with /proc/stat's 10 ms
-        // steps only the repetitions' sums mean much).
+        // CPU time per turn, to pair as throughput is (with /proc/stat's 10 ms steps only the
+        // repetitions' sums mean much).
         let turn_cpu_s_per_gib = samples
             .iter()
             .flat_map(|s| s.turn_cpu_s_per_gib.iter().copied())
