@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
- * fgds: registrations (dma-buf import), their user mappings, revocation.
+ * fgds: registrations (dma-buf import) and their user mappings.
  *
  * Import follows the dma-buf locking convention and the model of RDMA's
  * pinned, revocable dma-buf umem (drivers/infiniband/core/umem_dmabuf.c):
  * dynamic attach with allow_peer2peer, then under dmabuf->resv dma_buf_pin()
  * and dma_buf_map_attachment(), and a wait for the exporter's kernel fences.
  * The invalidation callback (move_notify, invalidate_mappings in 7.x) is a
- * permanent revocation.
+ * permanent revocation (revoke.c).
  *
  * fgds attaches as the GPU's own PCI device, so the exporter returns the
  * addresses at which the GPU reaches its own memory: the BAR's PCI bus
@@ -19,15 +19,27 @@
  * the BAR. The DMA addresses themselves are never used for DMA: the block
  * layer maps the pages for the NVMe controller as it maps any user page
  * (through the P2PDMA distance check for P2PDMA pages).
+ *
+ * Long-term pins: P2PDMA pages cannot be pinned long-term (GUP refuses
+ * FOLL_LONGTERM on them). GENERIC pages look like RAM to GUP, so their
+ * mappings get a page_mkwrite handler: a shared writable mapping that wants
+ * write notification "needs dirty tracking", and GUP refuses long-term
+ * writable pins of such mappings (mm/gup.c writable_file_mapping_allowed()),
+ * io_uring's fixed buffers included. The PTEs start read-only and the first
+ * write to each page takes one more fault.
  */
 
+#include <linux/capability.h>
+#include <linux/cred.h>
 #include <linux/dma-buf.h>
 #include <linux/dma-resv.h>
-#include <linux/delay.h>
 #include <linux/fs.h>
 #include <linux/huge_mm.h>
+#include <linux/idr.h>
 #include <linux/mm.h>
 #include <linux/pagemap.h>
+#include <linux/sched/signal.h>
+#include <linux/sched/user.h>
 #include <linux/scatterlist.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
@@ -40,8 +52,8 @@
 /* Pages mapped at once by a fault, beyond the faulting one. */
 #define FGDS_FAULT_AROUND	511
 
-/* Place of each buffer in its file's address_space (see fgds_mmap()). */
-static atomic64_t fgds_next_vm_pgoff = ATOMIC64_INIT(1);
+/* Places of buffers in fgds_mapping (see fgds_buf_vm_pgoff()). */
+static DEFINE_IDA(fgds_vm_ida);
 
 static struct page *fgds_buf_page(struct fgds_buf *buf, pgoff_t pgoff,
 				  pgoff_t *run)
@@ -66,81 +78,15 @@ static struct page *fgds_buf_page(struct fgds_buf *buf, pgoff_t pgoff,
 	return NULL;
 }
 
-static bool fgds_buf_wait_quiet(struct fgds_buf *buf)
-{
-	unsigned long deadline = jiffies +
-				 msecs_to_jiffies(fgds_revoke_timeout_ms);
-	unsigned int us = 50;
-
-	while (!fgds_pages_quiet(buf->gpu, buf->ext, buf->nr_ext)) {
-		if (time_after(jiffies, deadline))
-			return false;
-		usleep_range(us, 2 * us);
-		us = min(us * 2, 20000U);
-	}
-	return true;
-}
-
-/*
- * Revokes a registration; dmabuf->resv held. @zap: user mappings may exist.
- * No new PTE can appear once buf->revoked is set under buf->lock (the fault
- * handler checks it under the same lock), so after the zap only pins of I/O
- * in flight can reach the pages: wait for them, then give the mapping back.
- */
-static void fgds_buf_revoke_locked(struct fgds_buf *buf, bool zap)
-{
-	bool was_revoked;
-
-	dma_resv_assert_held(buf->dmabuf->resv);
-
-	down_write(&buf->lock);
-	was_revoked = buf->revoked;
-	buf->revoked = true;
-	up_write(&buf->lock);
-
-	/* A released buffer (buf->mapping NULL) has no mapping left to zap. */
-	if (zap && !was_revoked && buf->mapping)
-		unmap_mapping_range(buf->mapping,
-				    (loff_t)buf->vm_pgoff << PAGE_SHIFT,
-				    buf->size, 1);
-
-	if (buf->holding && !fgds_buf_wait_quiet(buf))
-		dev_err_ratelimited(&buf->gpu->dev,
-				    "I/O into a revoked buffer still in flight after %u ms; its pages stay held until it ends\n",
-				    fgds_revoke_timeout_ms);
-
-	if (buf->sgt) {
-		dma_buf_unmap_attachment(buf->attach, buf->sgt,
-					 DMA_BIDIRECTIONAL);
-		buf->sgt = NULL;
-	}
-	if (buf->pinned) {
-		dma_buf_unpin(buf->attach);
-		buf->pinned = false;
-	}
-	if (buf->holding && !fgds_buf_reap(buf))
-		fgds_gpu_kick_reaper(buf->gpu);
-}
-
-/**
- * fgds_buf_revoke() - revoke a registration (GPU unbind or removal)
- * @buf: the registration; its GPU's lock held
- */
-void fgds_buf_revoke(struct fgds_buf *buf)
-{
-	dma_resv_lock(buf->dmabuf->resv, NULL);
-	fgds_buf_revoke_locked(buf, true);
-	dma_resv_unlock(buf->dmabuf->resv);
-}
-
 static void fgds_invalidate(struct dma_buf_attachment *attach)
 {
 	struct fgds_buf *buf = attach->importer_priv;
 
 	if (!buf->revoked)
 		dev_info_ratelimited(&buf->gpu->dev,
-				     "exporter invalidated a registered buffer: revoked\n");
-	fgds_buf_revoke_locked(buf, true);
+				     "exporter invalidated a buffer of %s: revoked\n",
+				     buf->owner);
+	fgds_buf_revoke_locked(buf);
 }
 
 static const struct dma_buf_attach_ops fgds_attach_ops = {
@@ -148,88 +94,96 @@ static const struct dma_buf_attach_ops fgds_attach_ops = {
 	FGDS_ATTACH_OPS_INVALIDATE(fgds_invalidate),
 };
 
+/* RLIMIT_MEMLOCK, as io_uring and RDMA charge pinned memory. */
+static int fgds_account(struct fgds_buf *buf)
+{
+	unsigned long limit, cur, new;
+
+	if (capable(CAP_IPC_LOCK))
+		return 0;
+	limit = rlimit(RLIMIT_MEMLOCK) >> PAGE_SHIFT;
+	cur = atomic_long_read(&buf->user->locked_vm);
+	do {
+		new = cur + buf->npages;
+		if (new > limit || new < cur) {
+			dev_info_ratelimited(&buf->gpu->dev,
+					     "%s: registering %llu bytes would exceed RLIMIT_MEMLOCK (%lu KiB locked, limit %lu KiB); raise it (ulimit -l, limits.conf) or grant CAP_IPC_LOCK\n",
+					     buf->owner, buf->size,
+					     cur << (PAGE_SHIFT - 10),
+					     limit << (PAGE_SHIFT - 10));
+			return -ENOMEM;
+		}
+	} while (!atomic_long_try_cmpxchg(&buf->user->locked_vm, &cur, new));
+	buf->charged = true;
+	return 0;
+}
+
 /**
  * fgds_buf_free() - free a registration that holds nothing any more
- * @buf: the registration
+ * @buf: the registration: released, its pages quiet and given back, its
+ *	dma-buf unpinned and unmapped
  */
 void fgds_buf_free(struct fgds_buf *buf)
 {
-	WARN_ON_ONCE(buf->holding);
+	WARN_ON_ONCE(buf->holding || buf->pinned || buf->sgt);
+	if (buf->attach)
+		dma_buf_detach(buf->dmabuf, buf->attach);
+	if (buf->dmabuf)
+		dma_buf_put(buf->dmabuf);
+	fgds_fence_discard(buf);
+	if (buf->charged)
+		atomic_long_sub(buf->npages, &buf->user->locked_vm);
+	free_uid(buf->user);
+	if (buf->vm_id > 0)
+		ida_free(&fgds_vm_ida, buf->vm_id);
 	put_device(&buf->gpu->dev);
 	kvfree(buf->ext);
 	kfree(buf);
 }
 
-/**
- * fgds_buf_drop_dmabuf() - unmap, unpin, detach and put a registration's dma-buf
- * @buf: a registration without mappings, or revoked
- *
- * Waits (revoke_timeout_ms at most) for I/O still in flight into its pages
- * first, as a revocation does; callers that must not wait check
- * fgds_pages_quiet() before.
- */
-void fgds_buf_drop_dmabuf(struct fgds_buf *buf)
+/* Takes @npages off what @uid has registered on @gpu; gpu->lock held. */
+static void fgds_user_pages_sub(struct fgds_gpu *gpu, unsigned long uid,
+				unsigned long npages)
 {
-	if (buf->attach) {
-		dma_resv_lock(buf->dmabuf->resv, NULL);
-		fgds_buf_revoke_locked(buf, false);
-		dma_resv_unlock(buf->dmabuf->resv);
-		dma_buf_detach(buf->dmabuf, buf->attach);
-		buf->attach = NULL;
-	}
-	if (buf->dmabuf)
-		dma_buf_put(buf->dmabuf);
-	buf->dmabuf = NULL;
+	void *entry = xa_load(&gpu->user_pages, uid);
+	unsigned long pages = entry ? xa_to_value(entry) : 0;
+
+	if (WARN_ON_ONCE(pages < npages) || pages == npages)
+		xa_erase(&gpu->user_pages, uid);
+	else
+		xa_store(&gpu->user_pages, uid, xa_mk_value(pages - npages),
+			 GFP_KERNEL);
+}
+
+/* Drops what a registration counts against its GPU and user; gpu->lock held. */
+static void fgds_buf_unlist(struct fgds_buf *buf)
+{
+	struct fgds_gpu *gpu = buf->gpu;
+
+	lockdep_assert_held(&gpu->lock);
+	list_del(&buf->gpu_node);
+	buf->listed = false;
+	gpu->nr_bufs--;
+	gpu->nr_bytes -= buf->size;
+	fgds_user_pages_sub(gpu, from_kuid(&init_user_ns, buf->uid),
+			    buf->npages);
 }
 
 /*
- * The last reference is gone: no mapping, no registry entry, so no new PTE
- * and no new pin can appear. Pins of I/O still in flight (or of an io_uring
- * registered buffer, which outlives the mapping it was made from) may remain:
- * then the buffer becomes a zombie that keeps the dma-buf pinned and mapped,
- * so the exporter cannot reuse memory that DMA may still reach, and the reaper
- * releases it once the pages are quiet. Nothing here waits for I/O: this runs
- * in close() and in the exit of a killed process.
+ * The last registry entry or VMA is gone: no new PTE and no new pin can
+ * appear. fgds_buf_let_go() releases the dma-buf now if the pages are quiet,
+ * else once they are (without waiting here).
  */
 static void fgds_buf_release(struct kref *ref)
 {
 	struct fgds_buf *buf = container_of(ref, struct fgds_buf, ref);
 	struct fgds_gpu *gpu = buf->gpu;
-	bool quiet;
 
 	mutex_lock(&gpu->lock);
-	if (buf->listed) {
-		list_del(&buf->gpu_node);
-		buf->listed = false;
-		gpu->nr_bufs--;
-		gpu->nr_bytes -= buf->size;
-	}
-	quiet = fgds_buf_quiet(buf);
-	if (!quiet) {
-		/* Its file may go: an invalidation must not zap through it. */
-		if (buf->dmabuf) {
-			dma_resv_lock(buf->dmabuf->resv, NULL);
-			buf->mapping = NULL;
-			dma_resv_unlock(buf->dmabuf->resv);
-		}
-		list_add_tail(&buf->gpu_node, &gpu->zombies);
-	}
+	if (buf->listed)
+		fgds_buf_unlist(buf);
 	mutex_unlock(&gpu->lock);
-
-	if (!quiet) {
-		fgds_gpu_kick_reaper(gpu);
-		return;
-	}
-	fgds_buf_drop_dmabuf(buf);
-	if (fgds_buf_reap(buf)) {
-		fgds_buf_free(buf);
-		return;
-	}
-	/* Pinned again meanwhile (cannot happen without PTEs): reap later. */
-	mutex_lock(&gpu->lock);
-	list_add_tail(&buf->gpu_node, &gpu->zombies);
-	mutex_unlock(&gpu->lock);
-	fgds_gpu_kick_reaper(gpu);
+	fgds_buf_let_go(buf);
 }
 
 void fgds_buf_put(struct fgds_buf *buf)
@@ -237,8 +191,7 @@ void fgds_buf_put(struct fgds_buf *buf)
 	kref_put(&buf->ref, fgds_buf_release);
 }
 
-static int fgds_reg_validate(struct fgds_gpu *gpu,
-			     const struct fgds_ioctl_reg_buffer *arg)
+static int fgds_reg_validate(const struct fgds_ioctl_reg_buffer *arg)
 {
 	u64 end;
 
@@ -247,15 +200,19 @@ static int fgds_reg_validate(struct fgds_gpu *gpu,
 	if (!arg->size || !PAGE_ALIGNED(arg->size) ||
 	    !PAGE_ALIGNED(arg->dmabuf_offset))
 		return -EINVAL;
-	if (arg->size > gpu->bar_len)
+	if (arg->size >> PAGE_SHIFT > FGDS_MAX_BUF_PAGES)
 		return -EINVAL;
 	if (check_add_overflow(arg->dmabuf_offset, arg->size, &end))
 		return -EOVERFLOW;
 	return 0;
 }
 
-/* Sets the provider up if needed; returns its generation or an error. */
-static long fgds_gpu_prepare(struct fgds_gpu *gpu)
+/*
+ * Sets the provider up if needed (reading the BAR's geometry again); returns
+ * its generation or an error, and in @geo the geometry the import is checked
+ * against.
+ */
+static long fgds_gpu_prepare(struct fgds_gpu *gpu, struct fgds_geometry *geo)
 {
 	struct device *dev = &gpu->pdev->dev;
 	long ret;
@@ -264,27 +221,29 @@ static long fgds_gpu_prepare(struct fgds_gpu *gpu)
 	if (ret)
 		return ret;
 	mutex_lock(&gpu->lock);
-	if (gpu->dead)
+	if (gpu->dead || gpu->tearing)
 		ret = -ENODEV;
 	else
 		ret = fgds_gpu_setup_pages(gpu);
 	if (!ret)
 		ret = gpu->gen & LONG_MAX;
+	if (geo)
+		*geo = gpu->geo;
 	mutex_unlock(&gpu->lock);
 	device_unlock(dev);
 	return ret;
 }
 
-static int fgds_seg_to_bar(struct fgds_gpu *gpu, dma_addr_t addr, u64 len,
-			   pgoff_t *bar_pg)
+static int fgds_seg_to_bar(struct fgds_buf *buf, const struct fgds_geometry *geo,
+			   dma_addr_t addr, u64 len, pgoff_t *bar_pg)
 {
-	u64 off = addr - gpu->bar_bus;
+	u64 off = addr - geo->bus;
 
-	if (!PAGE_ALIGNED(addr) || !PAGE_ALIGNED(len) || addr < gpu->bar_bus ||
-	    off >= gpu->bar_len || len > gpu->bar_len - off) {
-		dev_err(&gpu->dev,
+	if (!PAGE_ALIGNED(addr) || !PAGE_ALIGNED(len) || addr < geo->bus ||
+	    off >= geo->len || len > geo->len - off) {
+		dev_err(&buf->gpu->dev,
 			"dma-buf segment %pad+%#llx is not page aligned inside BAR %d (bus %#llx+%pa): not memory of this GPU, refused\n",
-			&addr, len, gpu->bar, (u64)gpu->bar_bus, &gpu->bar_len);
+			&addr, len, geo->bar, (u64)geo->bus, &geo->len);
 		return -EINVAL;
 	}
 	*bar_pg = off >> PAGE_SHIFT;
@@ -295,7 +254,8 @@ static int fgds_seg_to_bar(struct fgds_gpu *gpu, dma_addr_t addr, u64 len,
  * Turns the part [offset, offset + size) of the exporter's mapping into runs
  * of BAR pages, merging runs that are contiguous in the BAR. dmabuf->resv held.
  */
-static int fgds_buf_build_extents(struct fgds_buf *buf, u64 offset)
+static int fgds_buf_build_extents(struct fgds_buf *buf,
+				  const struct fgds_geometry *geo, u64 offset)
 {
 	struct sg_table *sgt = buf->sgt;
 	u64 skip = offset, want = buf->size;
@@ -319,7 +279,7 @@ static int fgds_buf_build_extents(struct fgds_buf *buf, u64 offset)
 		addr += skip;
 		len = min(len - skip, want);
 		skip = 0;
-		ret = fgds_seg_to_bar(buf->gpu, addr, len, &bar_pg);
+		ret = fgds_seg_to_bar(buf, geo, addr, len, &bar_pg);
 		if (ret)
 			return ret;
 		if (e && e->bar_pg + e->npages == bar_pg) {
@@ -340,7 +300,8 @@ static int fgds_buf_build_extents(struct fgds_buf *buf, u64 offset)
 }
 
 /* Pins and maps the dma-buf and finds the buffer in the BAR. */
-static int fgds_buf_import(struct fgds_buf *buf, u64 offset)
+static int fgds_buf_import(struct fgds_buf *buf,
+			   const struct fgds_geometry *geo, u64 offset)
 {
 	struct dma_resv *resv = buf->dmabuf->resv;
 	struct sg_table *sgt;
@@ -381,11 +342,48 @@ static int fgds_buf_import(struct fgds_buf *buf, u64 offset)
 	if (ret < 0)
 		goto out_unlock;
 
-	ret = fgds_buf_build_extents(buf, offset);
+	ret = fgds_buf_build_extents(buf, geo, offset);
 
 out_unlock:
 	dma_resv_unlock(resv);
 	return ret;
+}
+
+/*
+ * Whether a mapping whose start puts the first extent on a folio boundary puts
+ * every extent on one: then 2 MiB folios can be mapped with PMDs.
+ */
+static bool fgds_buf_pmd_ok(struct fgds_buf *buf, unsigned int order)
+{
+	pgoff_t phase = (buf->ext[0].bar_pg - buf->ext[0].pgoff) &
+			((1UL << order) - 1);
+	unsigned int e;
+
+	if (!order || buf->npages < (1UL << order))
+		return false;
+	for (e = 1; e < buf->nr_ext; e++)
+		if (((buf->ext[e].bar_pg - buf->ext[e].pgoff) &
+		     ((1UL << order) - 1)) != phase)
+			return false;
+	return true;
+}
+
+/* The per-user share of the GPU; gpu->lock held. */
+static int fgds_user_share(struct fgds_buf *buf)
+{
+	struct fgds_gpu *gpu = buf->gpu;
+	unsigned long uid = from_kuid(&init_user_ns, buf->uid);
+	void *entry = xa_load(&gpu->user_pages, uid);
+	unsigned long pages = entry ? xa_to_value(entry) : 0;
+
+	if ((u64)(pages + buf->npages) << PAGE_SHIFT > fgds_max_bytes_per_user) {
+		dev_info_ratelimited(&gpu->dev,
+				     "%s: uid %lu would have more than max_bytes_per_user (%llu) registered on this GPU\n",
+				     buf->owner, uid, fgds_max_bytes_per_user);
+		return -ENOSPC;
+	}
+	return xa_err(xa_store(&gpu->user_pages, uid,
+			       xa_mk_value(pages + buf->npages), GFP_KERNEL));
 }
 
 /* Takes the page references and accounts the buffer on its GPU. */
@@ -396,7 +394,8 @@ static int fgds_buf_publish(struct fgds_buf *buf, unsigned long gen)
 	int ret = 0;
 
 	mutex_lock(&gpu->lock);
-	if (gpu->dead || (gpu->gen & LONG_MAX) != gen || buf->revoked) {
+	if (gpu->dead || gpu->tearing || (gpu->gen & LONG_MAX) != gen ||
+	    READ_ONCE(buf->revoked)) {
 		ret = -ENODEV;
 		goto out;
 	}
@@ -406,15 +405,27 @@ static int fgds_buf_publish(struct fgds_buf *buf, unsigned long gen)
 	if (ret)
 		goto out;
 	if (gpu->nr_bytes + buf->size > fgds_max_bytes_per_gpu) {
+		dev_info_ratelimited(&gpu->dev,
+				     "%s: the GPU would have more than max_bytes_per_gpu (%llu) registered\n",
+				     buf->owner, fgds_max_bytes_per_gpu);
 		ret = -ENOSPC;
 		goto out;
 	}
-	ret = fgds_holds_get(gpu, buf->ext, buf->nr_ext);
+	ret = fgds_user_share(buf);
 	if (ret)
 		goto out;
+	ret = fgds_holds_get(gpu, buf->ext, buf->nr_ext);
+	if (ret) {
+		fgds_user_pages_sub(gpu, from_kuid(&init_user_ns, buf->uid),
+				    buf->npages);
+		goto out;
+	}
 	buf->holding = true;
-	buf->vm_pgoff = atomic64_add_return(buf->npages + 1,
-					    &fgds_next_vm_pgoff) - buf->npages;
+	buf->owned = gpu->mode == FGDS_MODE_P2PDMA ||
+		     gpu->mode == FGDS_MODE_GENERIC;
+	buf->wp_notify = IS_ENABLED(FGDS_WRITENOTIFY_REFUSES_LONGTERM) &&
+			 gpu->mode == FGDS_MODE_GENERIC;
+	buf->pmd_ok = fgds_buf_pmd_ok(buf, gpu->order);
 	list_add_tail(&buf->gpu_node, &gpu->bufs);
 	buf->listed = true;
 	gpu->nr_bufs++;
@@ -424,25 +435,52 @@ out:
 	return ret;
 }
 
+static struct fgds_buf *fgds_buf_alloc(struct fgds_file *f, u64 size)
+{
+	struct fgds_gpu *gpu = f->gpu;
+	struct fgds_buf *buf;
+
+	buf = kzalloc(sizeof(*buf), GFP_KERNEL);
+	if (!buf)
+		return NULL;
+	kref_init(&buf->ref);
+	init_rwsem(&buf->lock);
+	INIT_LIST_HEAD(&buf->gpu_node);
+	INIT_LIST_HEAD(&buf->pending_node);
+	INIT_WORK(&buf->cleanup, fgds_cleanup_fn);
+	get_device(&gpu->dev);
+	buf->gpu = gpu;
+	buf->mapping = f->mapping;
+	buf->size = size;
+	buf->npages = size >> PAGE_SHIFT;
+	buf->user = get_uid(current_user());
+	buf->uid = current_uid();
+	snprintf(buf->owner, sizeof(buf->owner), "%s[%d]", current->comm,
+		 task_tgid_nr(current));
+	return buf;
+}
+
 static struct fgds_buf *fgds_buf_create(struct fgds_file *f,
 					const struct fgds_ioctl_reg_buffer *arg)
 {
 	struct fgds_gpu *gpu = f->gpu;
+	struct fgds_geometry geo;
 	struct fgds_buf *buf;
 	long gen;
 	int ret;
 
-	buf = kzalloc(sizeof(*buf), GFP_KERNEL);
+	buf = fgds_buf_alloc(f, arg->size);
 	if (!buf)
 		return ERR_PTR(-ENOMEM);
-	kref_init(&buf->ref);
-	init_rwsem(&buf->lock);
-	INIT_LIST_HEAD(&buf->gpu_node);
-	get_device(&gpu->dev);
-	buf->gpu = gpu;
-	buf->mapping = f->mapping;
-	buf->size = arg->size;
-	buf->npages = arg->size >> PAGE_SHIFT;
+	ret = fgds_fence_prepare(buf);
+	if (ret)
+		goto err;
+	buf->vm_id = ida_alloc_range(&fgds_vm_ida, 1, FGDS_VM_IDS - 1,
+				     GFP_KERNEL);
+	if (buf->vm_id < 0) {
+		ret = buf->vm_id == -ENOSPC ? -EMFILE : buf->vm_id;
+		goto err;
+	}
 
 	buf->dmabuf = dma_buf_get(arg->dmabuf_fd);
 	if (IS_ERR(buf->dmabuf)) {
@@ -454,12 +492,24 @@ static struct fgds_buf *fgds_buf_create(struct fgds_file *f,
 		ret = -EINVAL;
 		goto err;
 	}
-
-	/* First what the exporter hands out, so memory not in the BAR gets EINVAL. */
-	ret = fgds_buf_import(buf, arg->dmabuf_offset);
+	buf->readonly = !(buf->dmabuf->file->f_mode & FMODE_WRITE);
+	ret = fgds_account(buf);
 	if (ret)
 		goto err;
-	gen = fgds_gpu_prepare(gpu);
+
+	/*
+	 * The provider first (it reads the BAR's geometry), then what the
+	 * exporter hands out, so that memory not in the BAR gets EINVAL
+	 * whatever the provider's fate.
+	 */
+	gen = fgds_gpu_prepare(gpu, &geo);
+	if (gen == -EINTR || gen == -ERESTARTSYS) {
+		ret = gen;
+		goto err;
+	}
+	ret = fgds_buf_import(buf, &geo, arg->dmabuf_offset);
+	if (ret)
+		goto err;
 	if (gen < 0) {
 		ret = gen;
 		goto err;
@@ -484,7 +534,7 @@ static long fgds_ioctl_reg(struct fgds_file *f, void __user *uarg)
 
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;
-	ret = fgds_reg_validate(f->gpu, &arg);
+	ret = fgds_reg_validate(&arg);
 	if (ret)
 		return ret;
 
@@ -574,6 +624,21 @@ static vm_fault_t fgds_errno_to_fault(int err)
 }
 
 /*
+ * Records where a page of fgds's own is mapped (@linear: its index in the
+ * mapping), so that rmap walks of fgds_mapping find its VMAs. A page covered
+ * by overlapping registrations keeps the index of the last one that mapped it.
+ */
+static void fgds_set_index(struct fgds_buf *buf, struct page *page,
+			   pgoff_t linear)
+{
+	struct folio *folio = page_folio(page);
+
+	if (buf->owned)
+		fgds_folio_set_index(folio,
+				     linear - folio_page_idx(folio, page));
+}
+
+/*
  * Inserts the faulting page, then, in a VM_MIXEDMAP VMA, up to
  * FGDS_FAULT_AROUND following pages of the same run and VMA, so that GUP of a
  * large O_DIRECT buffer does not fault page by page. The pages are the GPU's
@@ -586,17 +651,16 @@ static vm_fault_t fgds_vm_fault(struct vm_fault *vmf)
 {
 	struct vm_area_struct *vma = vmf->vma;
 	struct fgds_buf *buf = vma->vm_private_data;
+	pgoff_t base = fgds_buf_vm_pgoff(buf);
 	unsigned long addr = vmf->address;
-	pgoff_t pgoff, run = 0, n;
+	pgoff_t pgoff, run = 0, n, i;
 	struct page *page;
-	unsigned long pfn;
 	vm_fault_t ret;
 	int err;
 
-	if (vmf->pgoff < buf->vm_pgoff ||
-	    vmf->pgoff - buf->vm_pgoff >= buf->npages)
+	if (vmf->pgoff < base || vmf->pgoff - base >= buf->npages)
 		return VM_FAULT_SIGBUS;
-	pgoff = vmf->pgoff - buf->vm_pgoff;
+	pgoff = vmf->pgoff - base;
 
 	down_read(&buf->lock);
 	if (buf->revoked) {
@@ -608,6 +672,7 @@ static vm_fault_t fgds_vm_fault(struct vm_fault *vmf)
 		ret = VM_FAULT_SIGBUS;
 		goto out;
 	}
+	fgds_set_index(buf, page, vmf->pgoff);
 #ifdef FGDS_FOLIO_PMD
 	if (!(vma->vm_flags & VM_MIXEDMAP)) {
 		ret = vmf_insert_page_mkwrite(vmf, page,
@@ -622,10 +687,9 @@ static vm_fault_t fgds_vm_fault(struct vm_fault *vmf)
 
 	n = min3(run - 1, (pgoff_t)FGDS_FAULT_AROUND,
 		 (pgoff_t)((vma->vm_end - addr) >> PAGE_SHIFT) - 1);
-	pfn = page_to_pfn(page);
-	while (n--) {
-		addr += PAGE_SIZE;
-		if (vm_insert_page(vma, addr, pfn_to_page(++pfn)))
+	for (i = 1; i <= n; i++) {
+		fgds_set_index(buf, page + i, vmf->pgoff + i);
+		if (vm_insert_page(vma, addr + i * PAGE_SIZE, page + i))
 			break;
 	}
 out:
@@ -633,11 +697,35 @@ out:
 	return ret;
 }
 
+/*
+ * GENERIC pages: the first write to a page through a mapping. Nothing to
+ * track; the handler exists so that GUP refuses long-term writable pins.
+ */
+static vm_fault_t fgds_vm_page_mkwrite(struct vm_fault *vmf)
+{
+	struct fgds_buf *buf = vmf->vma->vm_private_data;
+	struct folio *folio = page_folio(vmf->page);
+	bool revoked;
+
+	folio_lock(folio);
+	down_read(&buf->lock);
+	revoked = buf->revoked;
+	up_read(&buf->lock);
+	if (revoked) {
+		folio_unlock(folio);
+		return VM_FAULT_SIGBUS;
+	}
+	return VM_FAULT_LOCKED;
+}
+
 #ifdef FGDS_FOLIO_PMD
 /*
  * Maps a whole 2 MiB folio with one PMD where the VMA and the buffer allow
  * it; anything else falls back to fgds_vm_fault(), which also answers a
- * revoked buffer with SIGBUS.
+ * revoked buffer with SIGBUS. Never in a VM_MIXEDMAP VMA (a mapping made at
+ * an address that did not suit PMDs, or moved by mremap() since): the kernel
+ * zaps and splits the huge PMDs of such a VMA as special ones, without
+ * dropping their folio references.
  */
 static vm_fault_t fgds_vm_huge_fault(struct vm_fault *vmf, unsigned int order)
 {
@@ -645,17 +733,17 @@ static vm_fault_t fgds_vm_huge_fault(struct vm_fault *vmf, unsigned int order)
 	struct fgds_buf *buf = vma->vm_private_data;
 	unsigned long haddr = vmf->address & PMD_MASK;
 	vm_fault_t ret = VM_FAULT_FALLBACK;
-	pgoff_t pgoff, run = 0;
+	pgoff_t pgoff, linear, run = 0;
 	struct folio *folio;
 	struct page *page;
 
-	if (order != PMD_ORDER || haddr < vma->vm_start ||
-	    haddr + PMD_SIZE > vma->vm_end)
+	if (order != PMD_ORDER || (vma->vm_flags & VM_MIXEDMAP) ||
+	    haddr < vma->vm_start || haddr + PMD_SIZE > vma->vm_end)
 		return VM_FAULT_FALLBACK;
-	pgoff = linear_page_index(vma, haddr);
-	if (pgoff < buf->vm_pgoff)
+	linear = linear_page_index(vma, haddr);
+	if (linear < fgds_buf_vm_pgoff(buf))
 		return VM_FAULT_FALLBACK;
-	pgoff -= buf->vm_pgoff;
+	pgoff = linear - fgds_buf_vm_pgoff(buf);
 
 	down_read(&buf->lock);
 	if (buf->revoked)
@@ -666,6 +754,7 @@ static vm_fault_t fgds_vm_huge_fault(struct vm_fault *vmf, unsigned int order)
 	folio = page_folio(page);
 	if (folio_order(folio) != PMD_ORDER || &folio->page != page)
 		goto out;
+	fgds_set_index(buf, page, linear);
 	ret = vmf_insert_folio_pmd(vmf, folio, vmf->flags & FAULT_FLAG_WRITE);
 out:
 	up_read(&buf->lock);
@@ -675,14 +764,13 @@ out:
 
 /*
  * Whether a new VMA of @buf gets PMD mappings: GENERIC 2 MiB folios, and a
- * start address that puts the buffer's first folio boundary on a 2 MiB one
+ * start address that puts every extent's folio boundaries on 2 MiB ones
  * (fgds_get_unmapped_area() chooses such addresses).
  */
 static bool fgds_buf_maps_pmd(struct fgds_buf *buf, struct vm_area_struct *vma)
 {
 #ifdef FGDS_FOLIO_PMD
-	return buf->gpu->order == HPAGE_PMD_ORDER &&
-	       buf->npages >= HPAGE_PMD_NR &&
+	return buf->pmd_ok &&
 	       IS_ALIGNED((vma->vm_start >> PAGE_SHIFT) - buf->ext[0].bar_pg,
 			  HPAGE_PMD_NR);
 #else
@@ -711,13 +799,25 @@ static const struct vm_operations_struct fgds_vm_ops = {
 #endif
 };
 
+/* GENERIC pages: as fgds_vm_ops, and no long-term writable pin. */
+static const struct vm_operations_struct fgds_vm_ops_wp = {
+	.open = fgds_vm_open,
+	.close = fgds_vm_close,
+	.fault = fgds_vm_fault,
+	.page_mkwrite = fgds_vm_page_mkwrite,
+#ifdef FGDS_FOLIO_PMD
+	.huge_fault = fgds_vm_huge_fault,
+#endif
+};
+
 /*
  * The offset chosen by the caller is the token; once found, the VMA is moved
- * to the buffer's own place in the file's address_space (buf->vm_pgoff), so
- * that unmap_mapping_range() at revocation reaches every mapping of this
- * buffer and nothing else, in every process (fork copies the PTEs, and the
- * copies are in the same address_space). Tokens are small integers, buffers
- * span many pages: at the token offsets they would overlap.
+ * to the buffer's own place in the file's address_space
+ * (fgds_buf_vm_pgoff()), so that unmap_mapping_range() at revocation reaches
+ * every mapping of this buffer and nothing else, in every process (fork
+ * copies the PTEs, and the copies are in the same address_space). Tokens are
+ * small integers, buffers span many pages: at the token offsets they would
+ * overlap.
  */
 static int fgds_mmap(struct file *filp, struct vm_area_struct *vma)
 {
@@ -745,6 +845,14 @@ static int fgds_mmap(struct file *filp, struct vm_area_struct *vma)
 		ret = -ENODEV;
 		goto err;
 	}
+	/* A dma-buf opened read-only gives a mapping that stays read-only. */
+	if (buf->readonly) {
+		if (vma->vm_flags & VM_WRITE) {
+			ret = -EACCES;
+			goto err;
+		}
+		fgds_vm_flags_clear(vma, VM_MAYWRITE);
+	}
 
 	fgds_vm_flags_set(vma, VM_DONTEXPAND | VM_DONTDUMP);
 	if (fgds_buf_maps_pmd(buf, vma))
@@ -752,9 +860,9 @@ static int fgds_mmap(struct file *filp, struct vm_area_struct *vma)
 	else
 		fgds_vm_flags_set(vma, VM_MIXEDMAP);
 	vma->vm_page_prot = pgprot_writecombine(vma->vm_page_prot);
-	vma->vm_pgoff = buf->vm_pgoff;
+	vma->vm_pgoff = fgds_buf_vm_pgoff(buf);
 	vma->vm_private_data = buf;
-	vma->vm_ops = &fgds_vm_ops;
+	vma->vm_ops = buf->wp_notify ? &fgds_vm_ops_wp : &fgds_vm_ops;
 	return 0;
 
 err:
@@ -820,7 +928,7 @@ static int fgds_open(struct inode *inode, struct file *filp)
 	 * tries again or returns the refusal.
 	 */
 	if (READ_ONCE(gpu->pdev->dev.driver))
-		fgds_gpu_prepare(gpu);
+		fgds_gpu_prepare(gpu, NULL);
 	return 0;
 }
 

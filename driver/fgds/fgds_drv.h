@@ -8,27 +8,42 @@
 
 #include <linux/cdev.h>
 #include <linux/device.h>
+#include <linux/dma-fence.h>
 #include <linux/kref.h>
 #include <linux/list.h>
 #include <linux/mutex.h>
 #include <linux/pci.h>
 #include <linux/rwsem.h>
+#include <linux/sched.h>
+#include <linux/spinlock.h>
+#include <linux/wait.h>
 #include <linux/workqueue.h>
 #include <linux/xarray.h>
 
 /* Smallest prefetchable BAR that makes a PCI device a GPU for fgds. */
 #define FGDS_MIN_BAR_SIZE	(64ULL << 20)
 
+/*
+ * Each registration's mappings sit at their own place in fgds's address_space:
+ * vm_pgoff = id << FGDS_VM_SHIFT, id < FGDS_VM_IDS. So a buffer spans at most
+ * 2^31 pages (8 TiB), and every byte offset of the space fits a loff_t.
+ */
+#define FGDS_VM_SHIFT		31
+#define FGDS_VM_IDS		(1U << 19)
+#define FGDS_MAX_BUF_PAGES	(1UL << FGDS_VM_SHIFT)
+
 /**
  * enum fgds_mode - where the struct pages over a GPU's BAR come from
- * @FGDS_MODE_NONE: not set up yet (set up by the first registration while
- *	the GPU has a driver bound, torn down when it unbinds)
+ * @FGDS_MODE_NONE: not set up (set up when the node is opened, or by the
+ *	next registration, while the GPU has a driver bound; torn down when it
+ *	unbinds)
  * @FGDS_MODE_EXPORTER_P2PDMA: the GPU's driver registered P2PDMA pages for
  *	its BAR (pci_p2pdma_add_resource()); fgds maps those
  * @FGDS_MODE_P2PDMA: fgds registered P2PDMA pages for the whole BAR and
  *	claimed the whole range from the P2PDMA genpool
- * @FGDS_MODE_GENERIC: MEMORY_DEVICE_GENERIC pages created by fgds; only
- *	where DMA reaches them exactly as it would reach P2PDMA pages
+ * @FGDS_MODE_GENERIC: MEMORY_DEVICE_GENERIC pages created by fgds; only on
+ *	kernels without CONFIG_PCI_P2PDMA (or with pages=generic), and only
+ *	where fgds vouched for the topology
  */
 enum fgds_mode {
 	FGDS_MODE_NONE,
@@ -40,12 +55,10 @@ enum fgds_mode {
 /**
  * enum fgds_pages - the pages= module parameter: which pages fgds creates
  *	over a BAR that has none of the exporter's
- * @FGDS_PAGES_AUTO: GENERIC pages where DMA reaches them exactly as it
- *	would reach P2PDMA pages (no IOMMU translation, no bus offset, no
- *	encryption or bouncing, the P2P distance check passes for every NVMe
- *	controller), else P2PDMA pages where the kernel has them
+ * @FGDS_PAGES_AUTO: P2PDMA pages where the kernel has CONFIG_PCI_P2PDMA,
+ *	else GENERIC pages where fgds can vouch for the topology
  * @FGDS_PAGES_P2PDMA: P2PDMA pages only
- * @FGDS_PAGES_GENERIC: GENERIC pages only
+ * @FGDS_PAGES_GENERIC: GENERIC pages only (same topology rules)
  */
 enum fgds_pages {
 	FGDS_PAGES_AUTO,
@@ -54,23 +67,39 @@ enum fgds_pages {
 };
 
 /**
+ * struct fgds_geometry - where a GPU's BAR is, as read at provider setup
+ * @bar: index of the BAR used (the largest prefetchable memory BAR)
+ * @start: CPU physical address of the BAR
+ * @bus: PCI bus address of the BAR
+ * @len: length of the BAR
+ */
+struct fgds_geometry {
+	int bar;
+	resource_size_t start;
+	pci_bus_addr_t bus;
+	resource_size_t len;
+};
+
+/**
  * struct fgds_gpu - one GPU, one node /dev/fgds_DDDD_BB_DD_F
  * @dev: the class device; its refcount keeps this structure alive
  * @cdev: the character device, parented to @dev
  * @pdev: the GPU (reference held)
- * @bar: index of the BAR used (the largest prefetchable memory BAR)
- * @bar_start: CPU physical address of the BAR
- * @bar_bus: PCI bus address of the BAR
- * @bar_len: length of the BAR
- * @list: entry in the global GPU list
- * @lock: protects the fields below it
+ * @list: entry in the global GPU list (under fgds_lock)
+ * @lock: protects the fields below it, up to @holds_lock
+ * @geo: the BAR, re-read under the PCI device lock at each provider setup
+ *	(GPU drivers resize BARs at probe)
  * @dead: the GPU is being removed; nothing new may start
+ * @tearing: a teardown is under way: no provider may be set up and no
+ *	registration published until it ends
  * @mode: current page provider
  * @refused: why the provider was refused (-EOPNOTSUPP, -EBUSY), until unbind
  * @gen: provider generation, bumped at each teardown
- * @bufs: live (not yet released) registrations on this GPU
+ * @bufs: published registrations not yet released
  * @nr_bufs: registrations counted in sysfs "buffers"
  * @nr_bytes: bytes counted in sysfs "bytes" and against max_bytes_per_gpu
+ * @user_pages: uid -> pages that user has registered on this GPU, against
+ *	max_bytes_per_user
  * @pgmap: GENERIC mode: the pagemap fgds created
  * @order: pages per folio of the provider, as a power of two (GENERIC pages
  *	are 2 MiB folios; all others single pages)
@@ -78,48 +107,51 @@ enum fgds_pages {
  * @p2p_claim: P2PDMA mode: kernel address of the whole-BAR genpool claim
  * @p2p_group: P2PDMA mode: devres group on @pdev holding the P2PDMA resource
  *	if fgds created the device's P2PDMA state itself, else NULL
- * @zombies: released buffers whose pages are still pinned by I/O; each
- *	keeps its dma-buf pinned and mapped until they are quiet (or the GPU's
- *	driver unbinds)
- * @holds_lock: protects @holds, @nr_held and every buffer's @holding; taken
- *	after @lock and after dmabuf->resv
+ * @holds_lock: protects @holds, @nr_held and every buffer's @holding
  * @holds: exporter's P2PDMA mode: BAR page index -> number of registrations
  *	holding that page
  * @nr_held: exporter's P2PDMA mode: pages on which fgds holds its own
- *	reference; other modes: registrations not yet quiet (fgds holds every
+ *	reference; other modes: registrations still holding (fgds holds every
  *	page for as long as the provider exists)
- * @reaper: retries giving back the page references of revoked buffers and
- *	of @zombies
+ * @pending_lock: protects @pending and every buffer's @pending_node; never
+ *	held while sleeping (the fence-signalling path takes it)
+ * @pending: buffers whose pages are still referenced by I/O (or a pipe)
+ *	after a revocation or a release; @quiesce releases them once quiet
+ * @quiesce: polls @pending, signals the revocation fences of buffers whose
+ *	pages went quiet and hands them to their cleanup work
+ * @quiet_wq: woken whenever a buffer lets go of its pages
  */
 struct fgds_gpu {
 	struct device dev;
 	struct cdev cdev;
 	struct pci_dev *pdev;
-	int bar;
-	resource_size_t bar_start;
-	pci_bus_addr_t bar_bus;
-	resource_size_t bar_len;
 	struct list_head list;
 
 	struct mutex lock; /* see the kernel-doc above */
+	struct fgds_geometry geo;
 	bool dead;
+	bool tearing;
 	enum fgds_mode mode;
 	int refused;
 	unsigned long gen;
 	struct list_head bufs;
 	unsigned long nr_bufs;
 	u64 nr_bytes;
+	struct xarray user_pages;
 	struct dev_pagemap *pgmap;
 	unsigned int order;
 	bool memtype_wc;
 	void *p2p_claim;
 	void *p2p_group;
-	struct list_head zombies;
 
 	struct mutex holds_lock; /* see the kernel-doc above */
 	struct xarray holds;
 	unsigned long nr_held;
-	struct delayed_work reaper;
+
+	spinlock_t pending_lock; /* see the kernel-doc above */
+	struct list_head pending;
+	struct delayed_work quiesce;
+	wait_queue_head_t quiet_wq;
 };
 
 /**
@@ -152,80 +184,151 @@ struct fgds_extent {
 };
 
 /**
+ * struct fgds_fence - a registration's revocation fence
+ * @base: the fence, added to the dma-buf's reservation object (usage
+ *	KERNEL) when a revocation finds the pages still referenced; signalled
+ *	once they are quiet
+ * @lock: the fence's lock (kernels whose fences have no lock of their own)
+ * @free_work: kernels that keep calling fence ops after signalling: frees
+ *	the fence and drops its module reference from fgds's own workqueue
+ */
+struct fgds_fence {
+	struct dma_fence base;
+	spinlock_t lock; /* the fence's */
+	struct work_struct free_work;
+};
+
+/**
  * struct fgds_buf - one registration
- * @ref: held by the registry and by each VMA
+ * @ref: held by the registry entry, by each VMA, and while on the GPU's
+ *	pending list unreleased; at zero the buffer is released
  * @gpu: the GPU (device reference held)
- * @mapping: address_space of the file it was registered on
- * @vm_pgoff: where its VMAs sit in @mapping (unique, so revocation zaps
- *	exactly this buffer's mappings)
+ * @mapping: address_space of its mappings; NULL once released (no mapping is
+ *	left to zap). Written under dmabuf->resv.
+ * @vm_id: its place in @mapping (vm_pgoff = vm_id << FGDS_VM_SHIFT)
  * @size: registered size in bytes
  * @npages: @size in pages
+ * @readonly: the dma-buf was opened read-only: no writable mapping
+ * @owned: the pages are fgds's (P2PDMA or GENERIC mode): fgds may set their
+ *	->index when it maps them
+ * @wp_notify: GENERIC pages: its mappings have a page_mkwrite handler, which
+ *	makes GUP refuse long-term writable pins of them
+ * @pmd_ok: 2 MiB folios, and every extent at the same offset from a folio
+ *	boundary: a suitably aligned mapping can map whole folios with PMDs
  * @dmabuf: the dma-buf (reference held)
  * @attach: dynamic attachment, as the GPU's own PCI device
  * @sgt: the exporter's mapping while pinned and mapped
  * @ext: where the buffer lies in the BAR
  * @nr_ext: entries in @ext
- * @gen: provider generation the page holds were taken against
+ * @user: the registering user, charged @size in locked_vm unless it had
+ *	CAP_IPC_LOCK (@charged)
+ * @uid: the registering user's uid, counted in the GPU's @user_pages
+ * @owner: comm and tgid of the registering process, for log lines
+ * @fence: preallocated revocation fence, NULL once handed to the dma-buf
+ *	core or freed
+ * @fence_live: @fence was added to the reservation object (the pointer
+ *	stays valid, a reference held, until the cleanup replaces it there)
  * @lock: write-held to revoke; read-held by faults while inserting pages
- * @revoked: no new page may be mapped
+ * @revoked: no new page may be mapped (under @lock and dmabuf->resv)
+ * @released: @ref reached zero (under dmabuf->resv)
  * @pinned: dma_buf_pin() succeeded and is not yet undone
+ * @charged: @size is charged to @user's locked_vm
  * @holding: the pages of @ext are counted in the GPU's holds
- * @gpu_node: entry in the GPU's @bufs or @zombies
+ * @gpu_node: entry in the GPU's @bufs (under gpu->lock)
  * @listed: @gpu_node is on the GPU's @bufs
+ * @pending_node: entry in the GPU's @pending (under gpu->pending_lock)
+ * @pending: on the GPU's @pending, or its cleanup queued (under
+ *	dmabuf->resv); it then holds a module reference
+ * @pending_ref: @pending holds a reference in @ref (it was not released
+ *	when it went on the list)
+ * @pending_since: when it went on @pending, for the log
+ * @quiet_upto: pages of the buffer, from its start, found quiet by the
+ *	quiesce work (they stay quiet: no new pin can appear)
+ * @cleanup: gives the dma-buf back once the pages are quiet (may sleep on
+ *	the reservation lock, so it never runs in @quiesce)
  */
 struct fgds_buf {
 	struct kref ref;
 	struct fgds_gpu *gpu;
 	struct address_space *mapping;
-	pgoff_t vm_pgoff;
+	int vm_id;
 	u64 size;
 	pgoff_t npages;
+	bool readonly;
+	bool owned;
+	bool wp_notify;
+	bool pmd_ok;
 	struct dma_buf *dmabuf;
 	struct dma_buf_attachment *attach;
 	struct sg_table *sgt;
 	struct fgds_extent *ext;
 	unsigned int nr_ext;
-	unsigned long gen;
+	struct user_struct *user;
+	kuid_t uid;
+	char owner[TASK_COMM_LEN + 16];
+	struct fgds_fence *fence;
+	bool fence_live;
 	struct rw_semaphore lock;
 	bool revoked;
+	bool released;
 	bool pinned;
+	bool charged;
 	bool holding;
 	struct list_head gpu_node;
 	bool listed;
+	struct list_head pending_node;
+	bool pending;
+	bool pending_ref;
+	unsigned long pending_since;
+	pgoff_t quiet_upto;
+	struct work_struct cleanup;
 };
+
+static inline pgoff_t fgds_buf_vm_pgoff(const struct fgds_buf *buf)
+{
+	return (pgoff_t)buf->vm_id << FGDS_VM_SHIFT;
+}
 
 /* module parameters */
 extern unsigned int fgds_max_buffers_per_file;
 extern unsigned long long fgds_max_bytes_per_gpu;
+extern unsigned long long fgds_max_bytes_per_user;
 extern unsigned int fgds_revoke_timeout_ms;
 extern int fgds_pages;
 
 extern struct address_space *fgds_mapping;
+extern struct workqueue_struct *fgds_wq;
 extern const struct file_operations fgds_fops;
 extern const struct attribute_group *fgds_gpu_groups[];
 
 /* gpu.c */
 const char *fgds_mode_name(enum fgds_mode mode);
 int fgds_gpu_setup_pages(struct fgds_gpu *gpu);
-void fgds_gpu_teardown_pages(struct fgds_gpu *gpu);
+void fgds_gpu_drop_pages(struct fgds_gpu *gpu);
+int fgds_gpu_pick_bar(struct pci_dev *pdev);
 int fgds_gpu_check_range(struct fgds_gpu *gpu, pgoff_t bar_pg, pgoff_t n);
 struct page *fgds_gpu_page(struct fgds_gpu *gpu, pgoff_t bar_pg);
 int fgds_holds_get(struct fgds_gpu *gpu, const struct fgds_extent *ext,
 		   unsigned int nr_ext);
 bool fgds_pages_quiet(struct fgds_gpu *gpu, const struct fgds_extent *ext,
-		      unsigned int nr_ext);
-void fgds_holds_put(struct fgds_gpu *gpu, const struct fgds_extent *ext,
-		    unsigned int nr_ext);
-void fgds_gpu_revoke_all(struct fgds_gpu *gpu);
-void fgds_gpu_kick_reaper(struct fgds_gpu *gpu);
-void fgds_reaper_fn(struct work_struct *work);
-bool fgds_buf_reap(struct fgds_buf *buf);
-bool fgds_buf_quiet(struct fgds_buf *buf);
+		      unsigned int nr_ext, pgoff_t *cursor);
+bool fgds_buf_quiet(struct fgds_buf *buf, pgoff_t *cursor);
+pgoff_t fgds_buf_bar_pg(const struct fgds_buf *buf, pgoff_t pgoff);
+void fgds_buf_reap(struct fgds_buf *buf);
+
+/* revoke.c */
+int fgds_fence_prepare(struct fgds_buf *buf);
+void fgds_fence_discard(struct fgds_buf *buf);
+void fgds_buf_revoke_locked(struct fgds_buf *buf);
+void fgds_buf_revoke(struct fgds_buf *buf);
+void fgds_buf_unmap_locked(struct fgds_buf *buf);
+void fgds_buf_let_go(struct fgds_buf *buf);
+void fgds_gpu_teardown(struct fgds_gpu *gpu);
+void fgds_quiesce_fn(struct work_struct *work);
+void fgds_cleanup_fn(struct work_struct *work);
 
 /* buf.c */
-void fgds_buf_revoke(struct fgds_buf *buf);
 void fgds_buf_put(struct fgds_buf *buf);
-void fgds_buf_drop_dmabuf(struct fgds_buf *buf);
 void fgds_buf_free(struct fgds_buf *buf);
 
 #endif /* _FGDS_DRV_H */

@@ -7,14 +7,22 @@
  * exporter, or vfio), torn down when that driver unbinds or the GPU goes away:
  *
  *  1. the exporter registered P2PDMA pages for the BAR: fgds maps those;
- *  2. MEMORY_DEVICE_GENERIC pages, where DMA reaches them exactly as it would
- *     reach P2PDMA pages (fgds_generic_safe()): compound 2 MiB folios that
- *     io_uring can pin long-term, which P2PDMA pages are not;
- *  3. otherwise, with CONFIG_PCI_P2PDMA, fgds registers P2PDMA pages for the
- *     whole BAR and claims the whole range from the P2PDMA genpool, so no
- *     other allocator (pci_alloc_p2pmem(), p2pmem/allocate) can hand that
- *     memory out.
+ *  2. with CONFIG_PCI_P2PDMA, fgds registers P2PDMA pages for the whole BAR
+ *     and claims the whole range from the P2PDMA genpool, so no other
+ *     allocator (pci_alloc_p2pmem(), p2pmem/allocate) can hand that memory
+ *     out. GUP hands P2PDMA pages only to callers that pass FOLL_PCI_P2PDMA
+ *     (the block layer, for queues that can reach them), never pins them
+ *     long-term, and the DMA layer maps them through the P2P distance check;
+ *  3. without CONFIG_PCI_P2PDMA (Debian's 6.1 and 6.12), MEMORY_DEVICE_GENERIC
+ *     pages, only where fgds can vouch that DMA reaches them exactly as it
+ *     would reach P2PDMA pages (fgds_generic_unsafe()): no IOMMU translation,
+ *     and a PCIe switch, or a host bridge that routes P2P, between the GPU
+ *     and every NVMe controller. GENERIC pages look like RAM to GUP, so their
+ *     mappings refuse long-term writable pins (see buf.c).
  * The pages= parameter can insist on 2 or 3 (enum fgds_pages).
+ *
+ * The BAR's geometry is read again at each setup, under the PCI device lock:
+ * GPU drivers resize BARs at probe, and root can through sysfs.
  *
  * In modes 2 and 3 fgds first reserves the BAR's memory type write-combined
  * (arch_io_reserve_memtype_wc()). x86 PAT keeps the type of the first
@@ -31,8 +39,8 @@
  * gives it back with folio_ref_dec() only once the folio is quiet: no
  * references left but its idle count, fgds's own, and one per PTE. PTEs are
  * only created by fgds's fault handler and removed by zapping; GUP pins of
- * in-flight I/O are the only other references, so "quiet" means "no I/O in
- * flight".
+ * in-flight I/O (and pages spliced into a pipe) are the only other
+ * references, so "quiet" means "no I/O in flight".
  *
  * In modes 2 and 3 every page of the BAR is fgds's: it takes its reference
  * on every folio when it sets the provider up and gives them back when it
@@ -44,13 +52,13 @@
  * that the block layer pins, dirties and unpins a 2 MiB run as one folio, as
  * it does for a transparent huge page in RAM.
  *
- * While fgds holds a folio, folio->mapping is fgds_mapping (cleared before
- * the reference goes), as device-dax does. GUP-fast refuses an order-0 page
- * without a mapping (it cannot rule out secretmem, mm/gup.c
+ * In modes 2 and 3, folio->mapping is fgds_mapping while the provider lives
+ * (cleared before the reference goes), as device-dax does: GUP-fast refuses
+ * an order-0 page without a mapping (it cannot rule out secretmem, mm/gup.c
  * gup_fast_folio_allowed()) and falls back to walking the page tables page by
- * page under mmap_lock, which cost a 1 MiB read into GPU memory as much guest
- * CPU as the rest of the I/O. The mapping's dirty_folio is noop_dirty_folio(),
- * for bio_set_pages_dirty().
+ * page under mmap_lock. The mapping's dirty_folio is noop_dirty_folio(), for
+ * bio_set_pages_dirty(). The exporter's pages (mode 1) are never touched
+ * beyond fgds's reference: their ->mapping and ->index are the exporter's.
  */
 
 #include <linux/cc_platform.h>
@@ -66,6 +74,7 @@
 
 #include "fgds_compat.h"
 #include "fgds_drv.h"
+#include "fgds_p2p.h"
 
 const char *fgds_mode_name(enum fgds_mode mode)
 {
@@ -83,7 +92,7 @@ const char *fgds_mode_name(enum fgds_mode mode)
 
 static unsigned long fgds_bar_pfn(struct fgds_gpu *gpu)
 {
-	return PHYS_PFN(gpu->bar_start);
+	return PHYS_PFN(gpu->geo.start);
 }
 
 struct page *fgds_gpu_page(struct fgds_gpu *gpu, pgoff_t bar_pg)
@@ -109,7 +118,7 @@ static bool fgds_owns_pages(struct fgds_gpu *gpu)
  */
 static void fgds_pages_claim(struct fgds_gpu *gpu)
 {
-	pgoff_t unit, n = PHYS_PFN(gpu->bar_len) >> gpu->order;
+	pgoff_t unit, n = PHYS_PFN(gpu->geo.len) >> gpu->order;
 	struct folio *folio;
 
 	for (unit = 0; unit < n; unit++) {
@@ -121,21 +130,17 @@ static void fgds_pages_claim(struct fgds_gpu *gpu)
 	}
 }
 
-/*
- * Gives back what fgds_pages_claim() took, or with @leak only the mappings:
- * pages still pinned then keep fgds's reference for good.
- */
-static void fgds_pages_unclaim(struct fgds_gpu *gpu, bool leak)
+/* Gives back what fgds_pages_claim() took; every folio is quiet. */
+static void fgds_pages_unclaim(struct fgds_gpu *gpu)
 {
-	pgoff_t unit, n = PHYS_PFN(gpu->bar_len) >> gpu->order;
+	pgoff_t unit, n = PHYS_PFN(gpu->geo.len) >> gpu->order;
 	struct folio *folio;
 
 	for (unit = 0; unit < n; unit++) {
 		folio = fgds_unit_folio(gpu, unit);
 		fgds_folio_set_mapping(folio, NULL);
 		/* Never folio_put(): a P2PDMA page would go back to its pool. */
-		if (!leak)
-			folio_ref_dec(folio);
+		folio_ref_dec(folio);
 		if (!(unit & 1023))
 			cond_resched();
 	}
@@ -148,7 +153,7 @@ static void fgds_pages_unclaim(struct fgds_gpu *gpu, bool leak)
 static int fgds_bar_pgmap_type(struct fgds_gpu *gpu)
 {
 	unsigned long pfn = fgds_bar_pfn(gpu);
-	unsigned long end = pfn + PHYS_PFN(gpu->bar_len);
+	unsigned long end = pfn + PHYS_PFN(gpu->geo.len);
 	unsigned long step = PHYS_PFN(SZ_2M);
 	struct dev_pagemap *pgmap;
 	int type;
@@ -168,14 +173,14 @@ static int fgds_reserve_wc(struct fgds_gpu *gpu)
 {
 	int ret;
 
-	ret = arch_io_reserve_memtype_wc(gpu->bar_start, gpu->bar_len);
+	ret = arch_io_reserve_memtype_wc(gpu->geo.start, gpu->geo.len);
 	/* Out of memory is no conflict: not a refusal to remember. */
 	if (ret == -ENOMEM)
 		return ret;
 	if (ret) {
 		pci_err(gpu->pdev,
 			"fgds: BAR %d is already mapped write-back (%d); fgds needs it write-combined or uncached: find and unload whatever maps it cached\n",
-			gpu->bar, ret);
+			gpu->geo.bar, ret);
 		return -EBUSY;
 	}
 	gpu->memtype_wc = true;
@@ -186,7 +191,7 @@ static void fgds_unreserve_wc(struct fgds_gpu *gpu)
 {
 	if (!gpu->memtype_wc)
 		return;
-	arch_io_free_memtype_wc(gpu->bar_start, gpu->bar_len);
+	arch_io_free_memtype_wc(gpu->geo.start, gpu->geo.len);
 	gpu->memtype_wc = false;
 }
 
@@ -217,22 +222,22 @@ static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
 			goto err_wc;
 		}
 	}
-	ret = pci_p2pdma_add_resource(pdev, gpu->bar, 0, 0);
+	ret = pci_p2pdma_add_resource(pdev, gpu->geo.bar, 0, 0);
 	if (group)
 		devres_close_group(&pdev->dev, group);
 	if (ret) {
 		pci_err(pdev, "fgds: cannot register P2PDMA pages for BAR %d: %d\n",
-			gpu->bar, ret);
+			gpu->geo.bar, ret);
 		goto err_group;
 	}
 
-	claim = pci_alloc_p2pmem(pdev, gpu->bar_len);
-	if (claim != phys_to_virt(gpu->bar_start)) {
+	claim = pci_alloc_p2pmem(pdev, gpu->geo.len);
+	if (claim != phys_to_virt(gpu->geo.start)) {
 		pci_err(pdev,
 			"fgds: cannot claim all of BAR %d from the P2PDMA pool (another user holds part of it); unload that user and retry\n",
-			gpu->bar);
+			gpu->geo.bar);
 		if (claim)
-			pci_free_p2pmem(pdev, claim, gpu->bar_len);
+			pci_free_p2pmem(pdev, claim, gpu->geo.len);
 		ret = -EBUSY;
 		goto err_group;
 	}
@@ -253,7 +258,7 @@ static void fgds_teardown_p2pdma(struct fgds_gpu *gpu)
 {
 	struct pci_dev *pdev = gpu->pdev;
 
-	pci_free_p2pmem(pdev, gpu->p2p_claim, gpu->bar_len);
+	pci_free_p2pmem(pdev, gpu->p2p_claim, gpu->geo.len);
 	gpu->p2p_claim = NULL;
 	if (gpu->p2p_group)
 		devres_release_group(&pdev->dev, gpu->p2p_group);
@@ -279,6 +284,20 @@ static bool fgds_dma_translated(struct device *dev)
 }
 
 /*
+ * Whether DMA between the GPU and @nvme takes a path that delivers it: the
+ * kernel's own check where it is built, else the same rules walked by fgds.
+ */
+static bool fgds_p2p_reachable(struct pci_dev *gpu_pdev, struct pci_dev *nvme)
+{
+#ifdef CONFIG_PCI_P2PDMA
+	return pci_p2pdma_distance(gpu_pdev, &nvme->dev, false) >= 0;
+#else
+	return fgds_p2p_switch_local(gpu_pdev, nvme) ||
+	       fgds_p2p_host_bridge_ok(gpu_pdev, nvme);
+#endif
+}
+
+/*
  * Why DMA would not reach GENERIC pages of this GPU exactly as it reaches
  * P2PDMA pages, naming the device at fault in *culprit (a reference the
  * caller drops), or NULL. GENERIC pages look like RAM to the DMA API: it maps
@@ -287,8 +306,8 @@ static bool fgds_dma_translated(struct device *dev)
  * distance check has passed. The two agree when neither the GPU nor any NVMe
  * controller has its DMA translated or bounced, the BAR's bus address is its
  * CPU address, memory is not encrypted (phys_to_dma() would set the
- * encryption bit), and, where the kernel has the check, the GPU passes the
- * P2P distance check with every NVMe controller present.
+ * encryption bit), and the GPU and every NVMe controller present reach each
+ * other through a PCIe switch or a host bridge that routes P2P.
  */
 static const char *fgds_generic_unsafe(struct fgds_gpu *gpu,
 				       struct pci_dev **culprit)
@@ -298,7 +317,7 @@ static const char *fgds_generic_unsafe(struct fgds_gpu *gpu,
 	*culprit = NULL;
 	if (cc_platform_has(CC_ATTR_MEM_ENCRYPT))
 		return "memory encryption is active";
-	if (pci_bus_address(gpu_pdev, gpu->bar) != gpu->bar_start)
+	if (gpu->geo.bus != gpu->geo.start)
 		return "the BAR's PCI bus address differs from its CPU address";
 	if (fgds_dma_translated(&gpu_pdev->dev))
 		return "an IOMMU translates the GPU's DMA";
@@ -311,9 +330,8 @@ static const char *fgds_generic_unsafe(struct fgds_gpu *gpu,
 			why = "an IOMMU translates the DMA of NVMe";
 		else if (is_swiotlb_force_bounce(&pdev->dev))
 			why = "swiotlb bounces the DMA of NVMe";
-		else if (IS_ENABLED(CONFIG_PCI_P2PDMA) &&
-			 pci_p2pdma_distance(gpu_pdev, &pdev->dev, false) < 0)
-			why = "no P2P path (pci_p2pdma_distance()) to NVMe";
+		else if (!fgds_p2p_reachable(gpu_pdev, pdev))
+			why = "no PCIe switch or P2P-capable host bridge between the GPU and NVMe";
 		else
 			continue;
 		*culprit = pdev;
@@ -322,31 +340,20 @@ static const char *fgds_generic_unsafe(struct fgds_gpu *gpu,
 	return NULL;
 }
 
-/*
- * Whether fgds may create GENERIC pages. When it must (pages=generic, or a
- * kernel without CONFIG_PCI_P2PDMA) a refusal is an error naming the fix;
- * otherwise (pages=auto) fgds uses P2PDMA pages and says why.
- */
-static bool fgds_generic_safe(struct fgds_gpu *gpu, bool must)
+/* Whether fgds may create GENERIC pages; a refusal is logged with the fix. */
+static bool fgds_generic_allowed(struct fgds_gpu *gpu)
 {
 	struct pci_dev *culprit;
 	const char *why = fgds_generic_unsafe(gpu, &culprit);
-	const char *sep = culprit ? " " : "";
-	const char *name = culprit ? pci_name(culprit) : "";
 
 	if (!why)
 		return true;
-	if (!must)
-		pci_info(gpu->pdev, "fgds: P2PDMA pages, not GENERIC: %s%s%s\n",
-			 why, sep, name);
-	else if (IS_ENABLED(CONFIG_PCI_P2PDMA))
-		pci_err(gpu->pdev,
-			"fgds: GENERIC pages refused: %s%s%s; load fgds with pages=auto or pages=p2pdma\n",
-			why, sep, name);
-	else
-		pci_err(gpu->pdev,
-			"fgds: GENERIC pages refused: %s%s%s; boot with iommu=pt (or without an IOMMU) and without swiotlb=force, or use a kernel with CONFIG_PCI_P2PDMA\n",
-			why, sep, name);
+	pci_err(gpu->pdev,
+		"fgds: GENERIC pages refused: %s%s%s; %s\n", why,
+		culprit ? " " : "", culprit ? pci_name(culprit) : "",
+		IS_ENABLED(CONFIG_PCI_P2PDMA) ?
+		"load fgds with pages=auto or pages=p2pdma" :
+		"boot with iommu=pt (or without an IOMMU) and without swiotlb=force, put the GPU and the drive behind one PCIe switch, or use a kernel with CONFIG_PCI_P2PDMA");
 	pci_dev_put(culprit);
 	return false;
 }
@@ -370,18 +377,18 @@ static int fgds_setup_generic(struct fgds_gpu *gpu)
 		ret = -ENOMEM;
 		goto err_wc;
 	}
-	pgmap->range.start = gpu->bar_start;
-	pgmap->range.end = gpu->bar_start + gpu->bar_len - 1;
+	pgmap->range.start = gpu->geo.start;
+	pgmap->range.end = gpu->geo.start + gpu->geo.len - 1;
 	pgmap->nr_range = 1;
 	pgmap->type = MEMORY_DEVICE_GENERIC;
 	/* BARs are aligned to their size, which is at least FGDS_MIN_BAR_SIZE. */
-	if (IS_ALIGNED(gpu->bar_start | gpu->bar_len, PMD_SIZE))
+	if (IS_ALIGNED(gpu->geo.start | gpu->geo.len, PMD_SIZE))
 		pgmap->vmemmap_shift = PMD_SHIFT - PAGE_SHIFT;
 	addr = memremap_pages(pgmap, dev_to_node(&gpu->pdev->dev));
 	if (IS_ERR(addr)) {
 		ret = PTR_ERR(addr);
 		pci_err(gpu->pdev, "fgds: memremap_pages of BAR %d failed: %d\n",
-			gpu->bar, ret);
+			gpu->geo.bar, ret);
 		goto err_free;
 	}
 	gpu->pgmap = pgmap;
@@ -395,25 +402,90 @@ err_wc:
 	return ret;
 }
 
-/* Modes 2 and 3 of the top of this file, as pages= allows. */
-static int fgds_setup_own_pages(struct fgds_gpu *gpu, enum fgds_mode *mode)
+/*
+ * Modes 2 and 3 of the top of this file, as pages= allows: P2PDMA pages
+ * wherever the kernel has them (unless pages=generic), GENERIC pages only
+ * where it has not (or pages=generic) and fgds vouches for the topology.
+ * *why says why, for the log.
+ */
+static int fgds_setup_own_pages(struct fgds_gpu *gpu, enum fgds_mode *mode,
+				const char **why)
 {
 	int pages = READ_ONCE(fgds_pages);
 
-	if (pages != FGDS_PAGES_P2PDMA &&
-	    fgds_generic_safe(gpu, pages == FGDS_PAGES_GENERIC ||
-			      !IS_ENABLED(CONFIG_PCI_P2PDMA))) {
-		*mode = FGDS_MODE_GENERIC;
-		return fgds_setup_generic(gpu);
-	}
-	if (pages == FGDS_PAGES_GENERIC || !IS_ENABLED(CONFIG_PCI_P2PDMA)) {
-		if (pages == FGDS_PAGES_P2PDMA)
+	if (pages == FGDS_PAGES_P2PDMA ||
+	    (pages == FGDS_PAGES_AUTO && IS_ENABLED(CONFIG_PCI_P2PDMA))) {
+		if (!IS_ENABLED(CONFIG_PCI_P2PDMA)) {
 			pci_err(gpu->pdev,
 				"fgds: pages=p2pdma, but the kernel has no CONFIG_PCI_P2PDMA; load fgds with pages=auto\n");
-		return -EOPNOTSUPP;
+			return -EOPNOTSUPP;
+		}
+		*mode = FGDS_MODE_P2PDMA;
+		*why = pages == FGDS_PAGES_P2PDMA ? "pages=p2pdma" :
+		       "the kernel has CONFIG_PCI_P2PDMA";
+		return fgds_setup_p2pdma(gpu);
 	}
-	*mode = FGDS_MODE_P2PDMA;
-	return fgds_setup_p2pdma(gpu);
+	if (!fgds_generic_allowed(gpu))
+		return -EOPNOTSUPP;
+	*mode = FGDS_MODE_GENERIC;
+	*why = pages == FGDS_PAGES_GENERIC ? "pages=generic" :
+	       "the kernel has no CONFIG_PCI_P2PDMA; no IOMMU translation and a P2P path to every NVMe controller";
+	return fgds_setup_generic(gpu);
+}
+
+/**
+ * fgds_gpu_pick_bar() - the BAR fgds uses on a PCI device
+ * @pdev: the device
+ *
+ * Return: the index of the largest assigned prefetchable memory BAR of at
+ * least FGDS_MIN_BAR_SIZE, or -1.
+ */
+int fgds_gpu_pick_bar(struct pci_dev *pdev)
+{
+	resource_size_t best = 0;
+	int bar, pick = -1;
+
+	for (bar = 0; bar < PCI_STD_NUM_BARS; bar++) {
+		unsigned long flags = pci_resource_flags(pdev, bar);
+		resource_size_t len = pci_resource_len(pdev, bar);
+
+		if ((flags & (IORESOURCE_MEM | IORESOURCE_PREFETCH)) !=
+		    (IORESOURCE_MEM | IORESOURCE_PREFETCH) ||
+		    (flags & IORESOURCE_UNSET) || !pci_resource_start(pdev, bar))
+			continue;
+		if (len >= FGDS_MIN_BAR_SIZE && len > best) {
+			best = len;
+			pick = bar;
+		}
+	}
+	return pick;
+}
+
+/*
+ * Reads the BAR's place again (gpu->lock and the PCI device lock held): its
+ * driver may have resized it since the node was created.
+ */
+static int fgds_gpu_read_geometry(struct fgds_gpu *gpu)
+{
+	struct pci_dev *pdev = gpu->pdev;
+	struct fgds_geometry geo;
+
+	device_lock_assert(&pdev->dev);
+	geo.bar = fgds_gpu_pick_bar(pdev);
+	if (geo.bar < 0) {
+		pci_err(pdev, "fgds: no assigned prefetchable memory BAR of 64 MiB or more any more; check the BAR sizes (lspci -vv)\n");
+		return -ENODEV;
+	}
+	geo.start = pci_resource_start(pdev, geo.bar);
+	geo.bus = pci_bus_address(pdev, geo.bar);
+	geo.len = pci_resource_len(pdev, geo.bar);
+	if (geo.bar != gpu->geo.bar || geo.start != gpu->geo.start ||
+	    geo.len != gpu->geo.len)
+		pci_info(pdev, "fgds: BAR %d is now at %pa, %pa bytes (was BAR %d at %pa, %pa bytes)\n",
+			 geo.bar, &geo.start, &geo.len, gpu->geo.bar,
+			 &gpu->geo.start, &gpu->geo.len);
+	gpu->geo = geo;
+	return 0;
 }
 
 /**
@@ -421,13 +493,14 @@ static int fgds_setup_own_pages(struct fgds_gpu *gpu, enum fgds_mode *mode)
  * @gpu: the GPU; gpu->lock and the PCI device's device_lock held
  *
  * Return: 0 when struct pages exist over the BAR and fgds may map them,
- * -ENODEV without a bound driver, else the reason the provider was refused
- * (logged; -EOPNOTSUPP and -EBUSY are remembered until the driver unbinds,
- * and sysfs "mode" then reads "refused").
+ * -ENODEV without a bound driver or a usable BAR, else the reason the
+ * provider was refused (logged; -EOPNOTSUPP and -EBUSY are remembered until
+ * the driver unbinds, and sysfs "mode" then reads "refused").
  */
 int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 {
 	enum fgds_mode mode = FGDS_MODE_NONE;
+	const char *why = "the exporter registered them";
 	int type, ret;
 
 	lockdep_assert_held(&gpu->lock);
@@ -439,6 +512,9 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 		pci_info(gpu->pdev, "fgds: no driver bound to the GPU; bind its driver first\n");
 		return -ENODEV;
 	}
+	ret = fgds_gpu_read_geometry(gpu);
+	if (ret)
+		return ret;
 
 	type = fgds_bar_pgmap_type(gpu);
 	if (type == MEMORY_DEVICE_PCI_P2PDMA) {
@@ -447,10 +523,10 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 	} else if (type >= 0) {
 		pci_err(gpu->pdev,
 			"fgds: BAR %d already has struct pages of type %d from another driver; unload it\n",
-			gpu->bar, type);
+			gpu->geo.bar, type);
 		ret = -EBUSY;
 	} else {
-		ret = fgds_setup_own_pages(gpu, &mode);
+		ret = fgds_setup_own_pages(gpu, &mode, &why);
 	}
 	/* A refusal (logged once) stands until the GPU's driver unbinds. */
 	if (ret == -EOPNOTSUPP || ret == -EBUSY)
@@ -461,10 +537,42 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 	WRITE_ONCE(gpu->mode, mode);
 	if (fgds_owns_pages(gpu))
 		fgds_pages_claim(gpu);
-	pci_info(gpu->pdev, "fgds: %s pages over BAR %d (%pa bytes, %lu KiB folios)\n",
-		 fgds_mode_name(mode), gpu->bar, &gpu->bar_len,
-		 PAGE_SIZE << gpu->order >> 10);
+	pci_info(gpu->pdev, "fgds: %s pages over BAR %d (%pa bytes, %lu KiB folios): %s\n",
+		 fgds_mode_name(mode), gpu->geo.bar, &gpu->geo.len,
+		 PAGE_SIZE << gpu->order >> 10, why);
 	return 0;
+}
+
+/**
+ * fgds_gpu_drop_pages() - drop the GPU's page provider
+ * @gpu: the GPU; gpu->lock held; fgds holds no page for any registration
+ *	any more (fgds_gpu_teardown() waited for that)
+ */
+void fgds_gpu_drop_pages(struct fgds_gpu *gpu)
+{
+	lockdep_assert_held(&gpu->lock);
+	if (WARN_ON_ONCE(gpu->nr_held))
+		return;
+	if (fgds_owns_pages(gpu))
+		fgds_pages_unclaim(gpu);
+	switch (gpu->mode) {
+	case FGDS_MODE_GENERIC:
+		memunmap_pages(gpu->pgmap);
+		kfree(gpu->pgmap);
+		gpu->pgmap = NULL;
+		fgds_unreserve_wc(gpu);
+		break;
+	case FGDS_MODE_P2PDMA:
+		fgds_teardown_p2pdma(gpu);
+		break;
+	default:
+		break;
+	}
+	if (gpu->mode != FGDS_MODE_NONE)
+		pci_info(gpu->pdev, "fgds: %s pages released\n",
+			 fgds_mode_name(gpu->mode));
+	gpu->order = 0;
+	WRITE_ONCE(gpu->mode, FGDS_MODE_NONE);
 }
 
 static unsigned int fgds_idle_refs(struct fgds_gpu *gpu)
@@ -512,11 +620,11 @@ int fgds_gpu_check_range(struct fgds_gpu *gpu, pgoff_t bar_pg, pgoff_t n)
 	return 0;
 }
 
+/* Exporter's pages: neither ->mapping nor ->index is fgds's to touch. */
 static void fgds_hold_put_one(struct fgds_gpu *gpu, pgoff_t pg)
 {
 	void *entry = xa_load(&gpu->holds, pg);
 	unsigned long n = entry ? xa_to_value(entry) : 0;
-	struct folio *folio;
 
 	if (WARN_ON_ONCE(!n))
 		return;
@@ -525,10 +633,8 @@ static void fgds_hold_put_one(struct fgds_gpu *gpu, pgoff_t pg)
 		return;
 	}
 	xa_erase(&gpu->holds, pg);
-	folio = page_folio(fgds_gpu_page(gpu, pg));
-	fgds_folio_set_mapping(folio, NULL);
 	/* Never folio_put(): a P2PDMA page would go back to its pool. */
-	folio_ref_dec(folio);
+	folio_ref_dec(page_folio(fgds_gpu_page(gpu, pg)));
 	gpu->nr_held--;
 }
 
@@ -536,16 +642,13 @@ static int fgds_hold_get_one(struct fgds_gpu *gpu, pgoff_t pg)
 {
 	void *entry = xa_load(&gpu->holds, pg);
 	unsigned long n = entry ? xa_to_value(entry) : 0;
-	struct folio *folio;
 	int ret;
 
 	ret = xa_err(xa_store(&gpu->holds, pg, xa_mk_value(n + 1), GFP_KERNEL));
 	if (ret)
 		return ret;
 	if (!n) {
-		folio = page_folio(fgds_gpu_page(gpu, pg));
-		folio_ref_inc(folio);
-		fgds_folio_set_mapping(folio, fgds_mapping);
+		folio_ref_inc(page_folio(fgds_gpu_page(gpu, pg)));
 		gpu->nr_held++;
 	}
 	return 0;
@@ -614,6 +717,8 @@ unwind:
  * @gpu: the GPU
  * @ext: the registration's extents
  * @nr_ext: number of extents
+ * @cursor: if not NULL, the buffer page to start from; on return, the first
+ *	busy page (or the buffer's length when all are quiet)
  *
  * A folio is quiet when its only references are its idle count, fgds's own
  * and one per PTE mapping one of its pages. Reading the refcount and the
@@ -621,278 +726,107 @@ unwind:
  * reference before the mapcount, zapping drops the mapcount before the
  * reference) errs towards "not quiet". A compound folio only partly covered
  * by the registration counts as a whole: pins of I/O into its other pages
- * make it look busy, never quiet too early.
+ * make it look busy, never quiet too early. Takes no lock: the caller holds
+ * the registration's pages, so the provider stays.
  *
  * Return: true when no folio of the registration is pinned by I/O.
  */
 bool fgds_pages_quiet(struct fgds_gpu *gpu, const struct fgds_extent *ext,
-		      unsigned int nr_ext)
+		      unsigned int nr_ext, pgoff_t *cursor)
 {
 	int idle = fgds_idle_refs(gpu) + 1;
+	pgoff_t from = cursor ? *cursor : 0, unit, last, bar_pg;
 	struct folio *folio;
-	pgoff_t unit, last;
 	unsigned int e;
 
 	for (e = 0; e < nr_ext; e++) {
-		unit = ext[e].bar_pg >> gpu->order;
+		if (from >= ext[e].pgoff + ext[e].npages)
+			continue;
+		bar_pg = ext[e].bar_pg + max(from, ext[e].pgoff) - ext[e].pgoff;
+		unit = bar_pg >> gpu->order;
 		last = (ext[e].bar_pg + ext[e].npages - 1) >> gpu->order;
 		for (; unit <= last; unit++) {
 			folio = fgds_unit_folio(gpu, unit);
 			if (folio_ref_count(folio) -
-			    fgds_folio_mapcount(folio) > idle)
-				return false;
+			    fgds_folio_mapcount(folio) <= idle)
+				continue;
+			if (cursor)
+				*cursor = ext[e].pgoff +
+					  max(unit << gpu->order,
+					      ext[e].bar_pg) - ext[e].bar_pg;
+			return false;
 		}
 	}
+	if (cursor && nr_ext)
+		*cursor = ext[nr_ext - 1].pgoff + ext[nr_ext - 1].npages;
 	return true;
 }
 
 /**
  * fgds_buf_quiet() - is a registration free of I/O (or holding nothing)?
  * @buf: the registration
+ * @cursor: as for fgds_pages_quiet()
  *
  * Return: true when @buf holds no page reference or its pages are quiet.
  */
-bool fgds_buf_quiet(struct fgds_buf *buf)
+bool fgds_buf_quiet(struct fgds_buf *buf, pgoff_t *cursor)
 {
 	struct fgds_gpu *gpu = buf->gpu;
 	bool quiet;
 
 	mutex_lock(&gpu->holds_lock);
 	quiet = !buf->holding ||
-		fgds_pages_quiet(gpu, buf->ext, buf->nr_ext);
+		fgds_pages_quiet(gpu, buf->ext, buf->nr_ext, cursor);
 	mutex_unlock(&gpu->holds_lock);
 	return quiet;
 }
 
 /**
- * fgds_holds_put() - give back fgds's references of a registration
- * @gpu: the GPU
- * @ext: the registration's extents
- * @nr_ext: number of extents
+ * fgds_buf_bar_pg() - the BAR page of a page of a registration
+ * @buf: the registration
+ * @pgoff: page of the buffer, counted from its start
  *
- * Only for quiet pages (fgds_pages_quiet()).
+ * Return: the BAR page, or the registration's first one for a @pgoff past
+ * its end.
  */
-void fgds_holds_put(struct fgds_gpu *gpu, const struct fgds_extent *ext,
-		    unsigned int nr_ext)
+pgoff_t fgds_buf_bar_pg(const struct fgds_buf *buf, pgoff_t pgoff)
 {
-	mutex_lock(&gpu->holds_lock);
-	fgds_holds_put_locked(gpu, ext, nr_ext);
-	mutex_unlock(&gpu->holds_lock);
+	unsigned int e;
+
+	for (e = 0; e < buf->nr_ext; e++)
+		if (pgoff < buf->ext[e].pgoff + buf->ext[e].npages)
+			return buf->ext[e].bar_pg + pgoff - buf->ext[e].pgoff;
+	return buf->nr_ext ? buf->ext[0].bar_pg : 0;
 }
 
 /**
- * fgds_gpu_revoke_all() - revoke every registration on a GPU
- * @gpu: the GPU; gpu->lock held
- */
-void fgds_gpu_revoke_all(struct fgds_gpu *gpu)
-{
-	struct fgds_buf *buf;
-
-	lockdep_assert_held(&gpu->lock);
-	list_for_each_entry(buf, &gpu->bufs, gpu_node)
-		fgds_buf_revoke(buf);
-	/* Released ones still pinned by I/O give their dma-buf back now. */
-	list_for_each_entry(buf, &gpu->zombies, gpu_node)
-		fgds_buf_drop_dmabuf(buf);
-}
-
-/**
- * fgds_buf_reap() - give back the page references of a quiet registration
- * @buf: a registration that can no longer get new PTEs (revoked, or without
- *	mappings and registry entry)
+ * fgds_buf_reap() - give back the page references of a registration
+ * @buf: a registration whose pages are quiet and can get no new PTE or pin
+ *	(revoked, or without mappings and registry entry)
  *
- * Return: true when @buf holds no page reference any more.
  */
-bool fgds_buf_reap(struct fgds_buf *buf)
+void fgds_buf_reap(struct fgds_buf *buf)
 {
 	struct fgds_gpu *gpu = buf->gpu;
 
 	mutex_lock(&gpu->holds_lock);
-	if (buf->holding && fgds_pages_quiet(gpu, buf->ext, buf->nr_ext)) {
+	if (buf->holding) {
 		fgds_holds_put_locked(gpu, buf->ext, buf->nr_ext);
 		buf->holding = false;
 	}
 	mutex_unlock(&gpu->holds_lock);
-	return !buf->holding;
-}
-
-/*
- * Releases what it can of the page references still held for revoked
- * registrations and for released ones (zombies). gpu->lock held, and a
- * reference on gpu->dev besides the ones zombies hold. Returns true when
- * something is left to retry.
- */
-static bool fgds_reap(struct fgds_gpu *gpu)
-{
-	struct fgds_buf *buf, *tmp;
-	LIST_HEAD(done);
-	bool left = false;
-
-	lockdep_assert_held(&gpu->lock);
-	list_for_each_entry(buf, &gpu->bufs, gpu_node)
-		if (buf->revoked && !fgds_buf_reap(buf))
-			left = true;
-	list_for_each_entry_safe(buf, tmp, &gpu->zombies, gpu_node) {
-		if (fgds_buf_quiet(buf))
-			list_move(&buf->gpu_node, &done);
-		else
-			left = true;
-	}
-	/* Every caller holds its own reference on gpu->dev. */
-	list_for_each_entry_safe(buf, tmp, &done, gpu_node) {
-		/* Quiet: unpins and gives the dma-buf back without waiting. */
-		fgds_buf_drop_dmabuf(buf);
-		if (fgds_buf_reap(buf)) {
-			list_del(&buf->gpu_node);
-			fgds_buf_free(buf);
-		} else {
-			list_move_tail(&buf->gpu_node, &gpu->zombies);
-			left = true;
-		}
-	}
-	return left;
-}
-
-/**
- * fgds_gpu_kick_reaper() - retry releasing page references later
- * @gpu: the GPU
- *
- * The reaper does not run for a GPU being removed: references it still holds
- * then are leaked, never dropped under a pin.
- */
-void fgds_gpu_kick_reaper(struct fgds_gpu *gpu)
-{
-	if (!READ_ONCE(gpu->dead))
-		schedule_delayed_work(&gpu->reaper, HZ / 10);
-}
-
-void fgds_reaper_fn(struct work_struct *work)
-{
-	struct fgds_gpu *gpu = container_of(to_delayed_work(work),
-					    struct fgds_gpu, reaper);
-	bool left;
-
-	get_device(&gpu->dev);
-	mutex_lock(&gpu->lock);
-	left = fgds_reap(gpu);
-	mutex_unlock(&gpu->lock);
-	if (left)
-		fgds_gpu_kick_reaper(gpu);
-	put_device(&gpu->dev);
-}
-
-/*
- * Waits until fgds holds no page of the GPU. P2PDMA pages are never pinned
- * long-term (GUP refuses FOLL_LONGTERM on them), so their pins belong to I/O
- * in flight, which ends: wait for it however long it takes, since the pages
- * go away with the GPU's driver. GENERIC pages can be pinned long-term (an
- * io_uring registered buffer): wait revoke_timeout_ms, then give up.
- * gpu->lock held.
- */
-static bool fgds_wait_unheld(struct fgds_gpu *gpu)
-{
-	unsigned long deadline = jiffies +
-				 msecs_to_jiffies(fgds_revoke_timeout_ms);
-	bool warned = false;
-	unsigned long held;
-
-	for (;;) {
-		fgds_reap(gpu);
-		mutex_lock(&gpu->holds_lock);
-		held = gpu->nr_held;
-		mutex_unlock(&gpu->holds_lock);
-		if (!held)
-			return true;
-		if (time_after(jiffies, deadline)) {
-			if (gpu->mode == FGDS_MODE_GENERIC)
-				return false;
-			if (!warned)
-				dev_warn(&gpu->dev,
-					 "waiting for I/O still in flight into %lu pages of GPU memory\n",
-					 held);
-			warned = true;
-		}
-		msleep(20);
-	}
-}
-
-/*
- * Leaves the pages still held to their pins for good: no PTE maps them any
- * more (everything is revoked), so only their ->mapping has to go before the
- * module, and with it fgds_mapping, can.
- */
-static void fgds_holds_forget(struct fgds_gpu *gpu)
-{
-	unsigned long pg;
-	void *entry;
-
-	if (fgds_owns_pages(gpu)) {
-		fgds_pages_unclaim(gpu, true);
-		return;
-	}
-	mutex_lock(&gpu->holds_lock);
-	xa_for_each(&gpu->holds, pg, entry)
-		fgds_folio_set_mapping(page_folio(fgds_gpu_page(gpu, pg)),
-				       NULL);
-	mutex_unlock(&gpu->holds_lock);
-}
-
-/**
- * fgds_gpu_teardown_pages() - revoke everything and drop the page provider
- * @gpu: the GPU; gpu->lock held
- *
- * Called when the GPU's driver unbinds, when the GPU is removed and at module
- * unload. If GENERIC pages are still pinned after revoke_timeout_ms they are
- * leaked, never freed under a pin.
- */
-void fgds_gpu_teardown_pages(struct fgds_gpu *gpu)
-{
-	lockdep_assert_held(&gpu->lock);
-	WRITE_ONCE(gpu->refused, 0);
-	if (gpu->mode == FGDS_MODE_NONE)
-		return;
-
-	fgds_gpu_revoke_all(gpu);
-	gpu->gen++;
-	if (!fgds_wait_unheld(gpu)) {
-		dev_err(&gpu->dev,
-			"GENERIC pages still pinned after %u ms (an io_uring registered buffer?); leaking them rather than freeing pinned pages\n",
-			fgds_revoke_timeout_ms);
-		fgds_holds_forget(gpu);
-		gpu->pgmap = NULL;
-		gpu->memtype_wc = false;
-		gpu->order = 0;
-		WRITE_ONCE(gpu->mode, FGDS_MODE_NONE);
-		return;
-	}
-
-	if (fgds_owns_pages(gpu))
-		fgds_pages_unclaim(gpu, false);
-	switch (gpu->mode) {
-	case FGDS_MODE_GENERIC:
-		memunmap_pages(gpu->pgmap);
-		kfree(gpu->pgmap);
-		gpu->pgmap = NULL;
-		fgds_unreserve_wc(gpu);
-		break;
-	case FGDS_MODE_P2PDMA:
-		fgds_teardown_p2pdma(gpu);
-		break;
-	default:
-		break;
-	}
-	pci_info(gpu->pdev, "fgds: %s pages released\n",
-		 fgds_mode_name(gpu->mode));
-	gpu->order = 0;
-	WRITE_ONCE(gpu->mode, FGDS_MODE_NONE);
 }
 
 static ssize_t bar_size_show(struct device *dev, struct device_attribute *attr,
 			     char *buf)
 {
 	struct fgds_gpu *gpu = dev_get_drvdata(dev);
+	resource_size_t len;
 
-	return sysfs_emit(buf, "%llu\n", (unsigned long long)gpu->bar_len);
+	mutex_lock(&gpu->lock);
+	len = gpu->geo.len;
+	mutex_unlock(&gpu->lock);
+	return sysfs_emit(buf, "%llu\n", (unsigned long long)len);
 }
 static DEVICE_ATTR_RO(bar_size);
 
@@ -901,7 +835,6 @@ static ssize_t mode_show(struct device *dev, struct device_attribute *attr,
 {
 	struct fgds_gpu *gpu = dev_get_drvdata(dev);
 
-	/* Unlocked: teardown holds gpu->lock while it waits for I/O. */
 	return sysfs_emit(buf, "%s\n", READ_ONCE(gpu->refused) ? "refused" :
 			  fgds_mode_name(READ_ONCE(gpu->mode)));
 }
@@ -937,10 +870,27 @@ static ssize_t bar_show(struct device *dev, struct device_attribute *attr,
 			char *buf)
 {
 	struct fgds_gpu *gpu = dev_get_drvdata(dev);
+	int bar;
 
-	return sysfs_emit(buf, "%d\n", gpu->bar);
+	mutex_lock(&gpu->lock);
+	bar = gpu->geo.bar;
+	mutex_unlock(&gpu->lock);
+	return sysfs_emit(buf, "%d\n", bar);
 }
 static DEVICE_ATTR_RO(bar);
+
+static ssize_t held_show(struct device *dev, struct device_attribute *attr,
+			 char *buf)
+{
+	struct fgds_gpu *gpu = dev_get_drvdata(dev);
+	unsigned long n;
+
+	mutex_lock(&gpu->holds_lock);
+	n = gpu->nr_held;
+	mutex_unlock(&gpu->holds_lock);
+	return sysfs_emit(buf, "%lu\n", n);
+}
+static DEVICE_ATTR_RO(held);
 
 static struct attribute *fgds_gpu_attrs[] = {
 	&dev_attr_bar_size.attr,
@@ -948,6 +898,7 @@ static struct attribute *fgds_gpu_attrs[] = {
 	&dev_attr_buffers.attr,
 	&dev_attr_bytes.attr,
 	&dev_attr_bar.attr,
+	&dev_attr_held.attr,
 	NULL,
 };
 

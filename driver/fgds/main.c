@@ -44,10 +44,15 @@ module_param_named(max_bytes_per_gpu, fgds_max_bytes_per_gpu, ullong, 0644);
 MODULE_PARM_DESC(max_bytes_per_gpu,
 		 "Bytes registered per GPU, over all open files; past it REG_BUFFER fails with ENOSPC (default 1 TiB)");
 
+unsigned long long fgds_max_bytes_per_user = 1ULL << 39;
+module_param_named(max_bytes_per_user, fgds_max_bytes_per_user, ullong, 0644);
+MODULE_PARM_DESC(max_bytes_per_user,
+		 "Bytes one user (uid) may have registered per GPU; past it REG_BUFFER fails with ENOSPC (default 512 GiB, half of max_bytes_per_gpu's default)");
+
 unsigned int fgds_revoke_timeout_ms = 10000;
 module_param_named(revoke_timeout_ms, fgds_revoke_timeout_ms, uint, 0644);
 MODULE_PARM_DESC(revoke_timeout_ms,
-		 "How long revocation waits for I/O in flight into a buffer (default 10000)");
+		 "After how long a GPU teardown waiting for I/O logs who still holds its pages (default 10000); it keeps waiting: memory is never given back under a pin");
 
 static const char * const fgds_pages_names[] = {
 	[FGDS_PAGES_AUTO] = "auto",
@@ -82,7 +87,13 @@ static const struct kernel_param_ops fgds_pages_ops = {
 
 module_param_cb(pages, &fgds_pages_ops, &fgds_pages, 0444);
 MODULE_PARM_DESC(pages,
-		 "Pages fgds creates over a BAR: auto (GENERIC where DMA reaches them as it would P2PDMA pages, else P2PDMA; default), p2pdma or generic");
+		 "Pages fgds creates over a BAR: auto (P2PDMA where the kernel has CONFIG_PCI_P2PDMA, else GENERIC where the topology allows; default), p2pdma or generic");
+
+/*
+ * Signals revocation fences and cleans up after them (revoke.c): a rescuer,
+ * because fences must be signalled without allocating memory.
+ */
+struct workqueue_struct *fgds_wq;
 
 static dev_t fgds_devt;
 static struct class *fgds_class;
@@ -170,28 +181,6 @@ static bool fgds_is_display(struct pci_dev *pdev)
 	return class == PCI_CLASS_DISPLAY_VGA || class == PCI_CLASS_DISPLAY_3D;
 }
 
-/* The largest prefetchable memory BAR of at least FGDS_MIN_BAR_SIZE, or -1. */
-static int fgds_pick_bar(struct pci_dev *pdev)
-{
-	resource_size_t best = 0;
-	int bar, pick = -1;
-
-	for (bar = 0; bar < PCI_STD_NUM_BARS; bar++) {
-		unsigned long flags = pci_resource_flags(pdev, bar);
-		resource_size_t len = pci_resource_len(pdev, bar);
-
-		if ((flags & (IORESOURCE_MEM | IORESOURCE_PREFETCH)) !=
-		    (IORESOURCE_MEM | IORESOURCE_PREFETCH) ||
-		    (flags & IORESOURCE_UNSET) || !pci_resource_start(pdev, bar))
-			continue;
-		if (len >= FGDS_MIN_BAR_SIZE && len > best) {
-			best = len;
-			pick = bar;
-		}
-	}
-	return pick;
-}
-
 static struct fgds_gpu *fgds_find(struct pci_dev *pdev)
 {
 	struct fgds_gpu *gpu;
@@ -207,8 +196,9 @@ static void fgds_gpu_release(struct device *dev)
 {
 	struct fgds_gpu *gpu = container_of(dev, struct fgds_gpu, dev);
 
-	WARN_ON_ONCE(gpu->nr_held);
+	WARN_ON_ONCE(gpu->nr_held || !list_empty(&gpu->pending));
 	xa_destroy(&gpu->holds);
+	xa_destroy(&gpu->user_pages);
 	mutex_destroy(&gpu->holds_lock);
 	mutex_destroy(&gpu->lock);
 	ida_free(&fgds_minors, MINOR(dev->devt));
@@ -229,7 +219,7 @@ static void fgds_gpu_add(struct pci_dev *pdev, bool quiet)
 
 	if (!named && !fgds_is_display(pdev))
 		return;
-	bar = fgds_pick_bar(pdev);
+	bar = fgds_gpu_pick_bar(pdev);
 	if (bar < 0) {
 		if (named && !quiet)
 			pci_warn(pdev, "fgds: named in devices= but has no prefetchable memory BAR of 64 MiB or more\n");
@@ -250,16 +240,19 @@ static void fgds_gpu_add(struct pci_dev *pdev, bool quiet)
 		goto out;
 	}
 	gpu->pdev = pci_dev_get(pdev);
-	gpu->bar = bar;
-	gpu->bar_start = pci_resource_start(pdev, bar);
-	gpu->bar_bus = pci_bus_address(pdev, bar);
-	gpu->bar_len = pci_resource_len(pdev, bar);
+	gpu->geo.bar = bar;
+	gpu->geo.start = pci_resource_start(pdev, bar);
+	gpu->geo.bus = pci_bus_address(pdev, bar);
+	gpu->geo.len = pci_resource_len(pdev, bar);
 	mutex_init(&gpu->lock);
 	INIT_LIST_HEAD(&gpu->bufs);
+	xa_init(&gpu->user_pages);
 	mutex_init(&gpu->holds_lock);
 	xa_init(&gpu->holds);
-	INIT_LIST_HEAD(&gpu->zombies);
-	INIT_DELAYED_WORK(&gpu->reaper, fgds_reaper_fn);
+	spin_lock_init(&gpu->pending_lock);
+	INIT_LIST_HEAD(&gpu->pending);
+	INIT_DELAYED_WORK(&gpu->quiesce, fgds_quiesce_fn);
+	init_waitqueue_head(&gpu->quiet_wq);
 
 	device_initialize(&gpu->dev);
 	gpu->dev.class = fgds_class;
@@ -281,7 +274,7 @@ static void fgds_gpu_add(struct pci_dev *pdev, bool quiet)
 
 	list_add_tail(&gpu->list, &fgds_gpus);
 	pci_info(pdev, "fgds: /dev/%s over BAR %d (%pa bytes)\n",
-		 dev_name(&gpu->dev), bar, &gpu->bar_len);
+		 dev_name(&gpu->dev), bar, &gpu->geo.len);
 out:
 	mutex_unlock(&fgds_lock);
 	return;
@@ -292,32 +285,37 @@ err_put:
 	mutex_unlock(&fgds_lock);
 }
 
-/* fgds_lock held. */
+/*
+ * Takes the GPU's node away once every registration on it is revoked and its
+ * pages are let go. The GPU is off the global list already: no fgds lock is
+ * held while teardown waits for I/O.
+ */
 static void fgds_gpu_remove(struct fgds_gpu *gpu)
 {
-	list_del(&gpu->list);
 	mutex_lock(&gpu->lock);
 	WRITE_ONCE(gpu->dead, true);
-	fgds_gpu_teardown_pages(gpu);
 	mutex_unlock(&gpu->lock);
-	cancel_delayed_work_sync(&gpu->reaper);
+	fgds_gpu_teardown(gpu);
+	if (cancel_delayed_work_sync(&gpu->quiesce))
+		put_device(&gpu->dev);
 	cdev_device_del(&gpu->cdev, &gpu->dev);
 	pci_info(gpu->pdev, "fgds: /dev/%s removed\n", dev_name(&gpu->dev));
 	put_device(&gpu->dev);
 }
 
-static void fgds_gpu_unbind(struct pci_dev *pdev)
+/* The GPU of @pdev, referenced, or NULL; @unlist takes it off the list. */
+static struct fgds_gpu *fgds_get(struct pci_dev *pdev, bool unlist)
 {
 	struct fgds_gpu *gpu;
 
 	mutex_lock(&fgds_lock);
 	gpu = fgds_find(pdev);
-	if (gpu) {
-		mutex_lock(&gpu->lock);
-		fgds_gpu_teardown_pages(gpu);
-		mutex_unlock(&gpu->lock);
-	}
+	if (gpu && unlist)
+		list_del(&gpu->list);
+	else if (gpu)
+		get_device(&gpu->dev);
 	mutex_unlock(&fgds_lock);
+	return gpu;
 }
 
 static int fgds_pci_notify(struct notifier_block *nb, unsigned long action,
@@ -334,15 +332,21 @@ static int fgds_pci_notify(struct notifier_block *nb, unsigned long action,
 		fgds_gpu_add(pdev, false);
 		break;
 	case BUS_NOTIFY_UNBIND_DRIVER:
-		/* Before the driver's remove() and its devres release. */
-		fgds_gpu_unbind(pdev);
+		/*
+		 * Before the driver's remove() and its devres release. Waits
+		 * for I/O into the GPU's memory with only this device's lock
+		 * held (by the driver core).
+		 */
+		gpu = fgds_get(pdev, false);
+		if (gpu) {
+			fgds_gpu_teardown(gpu);
+			put_device(&gpu->dev);
+		}
 		break;
 	case BUS_NOTIFY_DEL_DEVICE:
-		mutex_lock(&fgds_lock);
-		gpu = fgds_find(pdev);
+		gpu = fgds_get(pdev, true);
 		if (gpu)
 			fgds_gpu_remove(gpu);
-		mutex_unlock(&fgds_lock);
 		break;
 	}
 	return NOTIFY_DONE;
@@ -357,9 +361,12 @@ static int __init fgds_init(void)
 	struct pci_dev *pdev = NULL;
 	int ret;
 
+	fgds_wq = alloc_workqueue("fgds", WQ_UNBOUND | WQ_MEM_RECLAIM, 0);
+	if (!fgds_wq)
+		return -ENOMEM;
 	ret = fgds_mapping_init();
 	if (ret)
-		return ret;
+		goto err_wq;
 	ret = alloc_chrdev_region(&fgds_devt, 0, FGDS_MAX_MINORS, "fgds");
 	if (ret)
 		goto err_mapping;
@@ -381,18 +388,31 @@ err_region:
 	unregister_chrdev_region(fgds_devt, FGDS_MAX_MINORS);
 err_mapping:
 	fgds_mapping_exit();
+err_wq:
+	destroy_workqueue(fgds_wq);
 	return ret;
 }
 
 static void __exit fgds_exit(void)
 {
-	struct fgds_gpu *gpu, *tmp;
+	struct fgds_gpu *gpu;
 
 	bus_unregister_notifier(&pci_bus_type, &fgds_pci_nb);
-	mutex_lock(&fgds_lock);
-	list_for_each_entry_safe(gpu, tmp, &fgds_gpus, list)
+	for (;;) {
+		mutex_lock(&fgds_lock);
+		gpu = list_first_entry_or_null(&fgds_gpus, struct fgds_gpu,
+					       list);
+		if (gpu)
+			list_del(&gpu->list);
+		mutex_unlock(&fgds_lock);
+		if (!gpu)
+			break;
 		fgds_gpu_remove(gpu);
-	mutex_unlock(&fgds_lock);
+	}
+	/* Cleanup and fence work drop their module references last. */
+	destroy_workqueue(fgds_wq);
+	/* Readers of signalled fences' ops (FGDS_FENCE_OPS_DETACH). */
+	synchronize_rcu();
 	class_destroy(fgds_class);
 	unregister_chrdev_region(fgds_devt, FGDS_MAX_MINORS);
 	ida_destroy(&fgds_minors);

@@ -140,8 +140,36 @@ static inline void fgds_vm_flags_set(struct vm_area_struct *vma,
 {
 	vma->vm_flags |= flags;
 }
+
+static inline void fgds_vm_flags_clear(struct vm_area_struct *vma,
+				       unsigned long flags)
+{
+	vma->vm_flags &= ~flags;
+}
 #else
 #define fgds_vm_flags_set(vma, flags) vm_flags_set(vma, flags)
+#define fgds_vm_flags_clear(vma, flags) vm_flags_clear(vma, flags)
+#endif
+
+/*
+ * GUP refuses long-term writable pins (FOLL_LONGTERM | FOLL_WRITE) of a
+ * shared mapping that needs dirty tracking, such as one whose vm_ops have
+ * page_mkwrite, since 6.5 ("mm/gup: disallow FOLL_LONGTERM GUP-nonfast
+ * writing to file-backed mappings"; boundary between 6.1 and 6.12). Before,
+ * fgds's page_mkwrite would only cost faults.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 5, 0)
+#define FGDS_WRITENOTIFY_REFUSES_LONGTERM 1
+#endif
+
+/*
+ * A signalled fence without release and wait ops drops its ops pointer
+ * (RCU-protected) and is freed by the dma-buf core, so it never calls into
+ * the module that created it again (7.x: dma_fence_signal_timestamp_locked()).
+ * Before, the core calls a fence's ops for as long as it lives.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(7, 0, 0)
+#define FGDS_FENCE_OPS_DETACH 1
 #endif
 
 /*
@@ -211,6 +239,14 @@ static inline void fgds_folio_set_mapping(struct folio *folio,
 {
 #if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)
 	WRITE_ONCE(folio->mapping, mapping);
+#endif
+}
+
+/* folio->index of a folio fgds holds: only where it sets ->mapping. */
+static inline void fgds_folio_set_index(struct folio *folio, pgoff_t index)
+{
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)
+	WRITE_ONCE(folio->index, index);
 #endif
 }
 

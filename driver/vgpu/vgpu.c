@@ -11,6 +11,7 @@
 
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
 
+#include <linux/bitops.h>
 #include <linux/cdev.h>
 #include <linux/delay.h>
 #include <linux/device.h>
@@ -39,6 +40,7 @@
 #include <uapi/linux/vgpu.h>
 
 #include "fgds_compat.h"
+#include "fgds_p2p.h"
 
 #define VGPU_BAR		2
 #define VGPU_MAX_DEVICES	64
@@ -52,6 +54,10 @@
 
 /* How often vgpu looks whether a released buffer's pages are let go. */
 #define VGPU_RECLAIM_DELAY	(HZ / 20)
+
+/* VGPU_ALLOC_SKEW: where the buffer's first 2 MiB lie, past the range start. */
+#define VGPU_SKEW_HEAD		PAGE_SIZE
+#define VGPU_SKEW_ALIGN		SZ_2M
 
 /**
  * DOC: design
@@ -76,6 +82,12 @@
  * apply where the kernel has CONFIG_PCI_P2PDMA (7.x: the provider helpers;
  * 6.x: pci_p2pdma_distance() and the switch/ACS check); otherwise the
  * range is mapped with dma_map_resource(), as amdgpu does.
+ *
+ * Revocation waits, under the reservation lock, for every fence in the
+ * buffer's reservation object, as vfio-pci does: an importer that still has
+ * DMA in flight when it is told to let go adds a fence there and signals it
+ * once that DMA is done. Only then does vgpu treat the memory as its own
+ * again (a buffer's ``fill`` stands for its next user).
  *
  * Locking: &vgpu_device.lock protects the buffer list and the removed flag.
  * Each buffer's revoked flag, pin count and mapping list are protected by
@@ -135,6 +147,9 @@ enum vgpu_route {
  * @reclaim: gives the ranges of @zombies back once their pages are let go
  * @wq: woken when a buffer is unmapped by an importer, or a buffer or range
  *	is released
+ * @last_revoke: the latest revocation: the buffer's BAR2 offset, how long
+ *	the importers' invalidation callbacks took and how long the wait for
+ *	their fences took, in ns (under @lock)
  */
 struct vgpu_device {
 	struct device dev;
@@ -156,6 +171,11 @@ struct vgpu_device {
 	struct list_head zombies;
 	struct delayed_work reclaim;
 	wait_queue_head_t wq;
+	struct {
+		u64 bar_offset;
+		u64 invalidate_ns;
+		u64 fence_ns;
+	} last_revoke;
 };
 
 /**
@@ -165,7 +185,12 @@ struct vgpu_device {
  * @node: entry in &vgpu_device.buffers, or in &vgpu_device.zombies once
  *	released with pages still referenced
  * @bar_offset: start of the range in BAR2
- * @size: length of the range
+ * @size: length of the buffer (the dma-buf's size)
+ * @range_size: length of the range in BAR2 (more than @size for a skewed
+ *	buffer)
+ * @segs: where the buffer lies in BAR2, in buffer order: (offset, length)
+ * @nr_segs: entries in @segs
+ * @readonly: exported read-only
  * @p2p_addr: p2pdma mode: address returned by pci_alloc_p2pmem(), NULL
  *	once the range is back in the pool (under &vgpu_device.lock)
  * @p2p_idle_refs: p2pdma mode: page reference count of an unused page
@@ -182,6 +207,13 @@ struct vgpu_buffer {
 	struct list_head node;
 	u64 bar_offset;
 	u64 size;
+	u64 range_size;
+	struct {
+		u64 off;
+		u64 len;
+	} segs[2];
+	unsigned int nr_segs;
+	bool readonly;
 	void *p2p_addr;
 	int p2p_idle_refs;
 	bool remove_seen;
@@ -247,14 +279,21 @@ static int vgpu_range_alloc(struct vgpu_device *vgpu, struct vgpu_buffer *buf)
 	lockdep_assert_held(&vgpu->lock);
 
 	if (vgpu->mode == VGPU_MODE_PLAIN) {
-		addr = gen_pool_alloc(vgpu->pool, buf->size);
+		struct genpool_data_align align = { .align = VGPU_SKEW_ALIGN };
+
+		if (buf->range_size != buf->size)
+			addr = gen_pool_alloc_algo(vgpu->pool, buf->range_size,
+						   gen_pool_first_fit_align,
+						   &align);
+		else
+			addr = gen_pool_alloc(vgpu->pool, buf->range_size);
 		if (!addr)
 			return -ENOMEM;
 		buf->bar_offset = addr - vgpu->bar_phys;
 		return 0;
 	}
 
-	p2p = pci_alloc_p2pmem(vgpu->pdev, buf->size);
+	p2p = pci_alloc_p2pmem(vgpu->pdev, buf->range_size);
 	if (!p2p)
 		return -ENOMEM;
 	buf->p2p_addr = p2p;
@@ -267,7 +306,7 @@ static int vgpu_range_alloc(struct vgpu_device *vgpu, struct vgpu_buffer *buf)
 	 * whether someone still holds one.
 	 */
 	buf->p2p_idle_refs = page_ref_count(virt_to_page(p2p));
-	for (i = 0; i < buf->size; i += PAGE_SIZE)
+	for (i = 0; i < buf->range_size; i += PAGE_SIZE)
 		WARN_ONCE(page_ref_count(virt_to_page(p2p + i)) !=
 			  buf->p2p_idle_refs,
 			  "vgpu%d: free P2PDMA page at BAR2 offset %#llx has refcount %d, others %d: someone kept a reference to a released buffer\n",
@@ -286,7 +325,7 @@ static bool vgpu_p2p_idle(struct vgpu_buffer *buf, u64 *busy)
 {
 	u64 i;
 
-	for (i = 0; i < buf->size; i += PAGE_SIZE) {
+	for (i = 0; i < buf->range_size; i += PAGE_SIZE) {
 		if (page_ref_count(virt_to_page(buf->p2p_addr + i)) !=
 		    buf->p2p_idle_refs) {
 			*busy = i;
@@ -312,12 +351,12 @@ static void vgpu_range_free(struct vgpu_device *vgpu, struct vgpu_buffer *buf)
 
 	if (vgpu->mode == VGPU_MODE_PLAIN) {
 		gen_pool_free(vgpu->pool, vgpu->bar_phys + buf->bar_offset,
-			      buf->size);
+			      buf->range_size);
 		return;
 	}
 	if (!buf->p2p_addr)
 		return;
-	pci_free_p2pmem(vgpu->pdev, buf->p2p_addr, buf->size);
+	pci_free_p2pmem(vgpu->pdev, buf->p2p_addr, buf->range_size);
 	buf->p2p_addr = NULL;
 	vgpu->nr_p2p_ranges--;
 }
@@ -342,41 +381,6 @@ static int vgpu_p2p_pick(struct vgpu_device *vgpu, struct device *dev,
 	return 0;
 }
 #else
-static bool vgpu_acs_redirects(struct pci_dev *pdev)
-{
-	u16 ctrl;
-
-	if (!pdev->acs_cap)
-		return false;
-	pci_read_config_word(pdev, pdev->acs_cap + PCI_ACS_CTRL, &ctrl);
-	return ctrl & (PCI_ACS_RR | PCI_ACS_CR | PCI_ACS_EC);
-}
-
-/*
- * True if @client reaches @provider through a common upstream switch without
- * ACS redirection, i.e. the 6.x p2pdma core's PCI_P2PDMA_MAP_BUS_ADDR case
- * (calc_map_type_and_dist() in drivers/pci/p2pdma.c, not exported there).
- */
-static bool vgpu_p2p_switch_local(struct pci_dev *provider,
-				  struct pci_dev *client)
-{
-	struct pci_dev *a, *b;
-	bool redirect = false;
-
-	for (a = provider; a; a = pci_upstream_bridge(a)) {
-		redirect |= vgpu_acs_redirects(a);
-		for (b = client; b; b = pci_upstream_bridge(b))
-			if (a == b)
-				goto common;
-	}
-	return false;
-
-common:
-	for (b = client; b != a; b = pci_upstream_bridge(b))
-		redirect |= vgpu_acs_redirects(b);
-	return !redirect;
-}
-
 /*
  * 6.x: bus address for a switch-local pair, as the DMA layer does for
  * P2PDMA pages; dma_map_resource() through the host bridge otherwise.
@@ -389,7 +393,7 @@ static int vgpu_p2p_pick(struct vgpu_device *vgpu, struct device *dev,
 		dev = dev->parent;
 	if (WARN_ON_ONCE(!dev))
 		return -EINVAL;
-	if (vgpu_p2p_switch_local(vgpu->pdev, to_pci_dev(dev)))
+	if (fgds_p2p_switch_local(vgpu->pdev, to_pci_dev(dev)))
 		*route = VGPU_ROUTE_BUS_ADDR;
 	else
 		*route = VGPU_ROUTE_RESOURCE;
@@ -459,38 +463,43 @@ static int vgpu_fill_sgt(struct vgpu_buffer *buf, struct vgpu_mapping *map,
 			 struct device *dev, enum dma_data_direction dir)
 {
 	struct vgpu_device *vgpu = buf->vgpu;
-	unsigned int nents = DIV_ROUND_UP(buf->size, VGPU_MAX_SEG);
+	unsigned int nents = 0, n, i;
 	struct scatterlist *sg;
 	u64 off = 0;
-	unsigned int i;
 	int ret;
 
+	for (n = 0; n < buf->nr_segs; n++)
+		nents += DIV_ROUND_UP(buf->segs[n].len, VGPU_MAX_SEG);
 	ret = sg_alloc_table(&map->table, nents, GFP_KERNEL);
 	if (ret)
 		return ret;
 
+	n = 0;
 	for_each_sg(map->table.sgl, sg, nents, i) {
-		u64 len = min_t(u64, buf->size - off, VGPU_MAX_SEG);
+		u64 bar = buf->segs[n].off + off;
+		u64 len = min_t(u64, buf->segs[n].len - off, VGPU_MAX_SEG);
 		dma_addr_t addr;
 
 		if (map->route == VGPU_ROUTE_RESOURCE) {
-			addr = dma_map_resource(dev, vgpu->bar_phys +
-						buf->bar_offset + off,
-						len, dir, DMA_ATTR_SKIP_CPU_SYNC);
+			addr = dma_map_resource(dev, vgpu->bar_phys + bar, len,
+						dir, DMA_ATTR_SKIP_CPU_SYNC);
 			if (dma_mapping_error(dev, addr)) {
 				dev_warn_ratelimited(&vgpu->dev, "cannot DMA-map BAR2 range %#llx+%#llx for %s\n",
-						     buf->bar_offset + off, len,
-						     dev_name(dev));
+						     bar, len, dev_name(dev));
 				vgpu_unmap_resource(dev, &map->table, i, dir);
 				sg_free_table(&map->table);
 				return -EIO;
 			}
 		} else {
-			addr = vgpu->bar_bus + buf->bar_offset + off;
+			addr = vgpu->bar_bus + bar;
 		}
 		sg_dma_address(sg) = addr;
 		sg_dma_len(sg) = len;
 		off += len;
+		if (off == buf->segs[n].len) {
+			n++;
+			off = 0;
+		}
 	}
 	map->sgt = &map->table;
 	return 0;
@@ -529,13 +538,16 @@ static struct sg_table *vgpu_map_dma_buf(struct dma_buf_attachment *attach,
 
 	if (map->route == VGPU_ROUTE_PROVIDER) {
 #if FGDS_HAVE_P2PDMA_PROVIDER
-		struct phys_vec vec = {
-			.paddr = buf->vgpu->bar_phys + buf->bar_offset,
-			.len = buf->size,
-		};
+		struct phys_vec vec[ARRAY_SIZE(buf->segs)];
+		unsigned int n;
 
+		for (n = 0; n < buf->nr_segs; n++) {
+			vec[n].paddr = buf->vgpu->bar_phys + buf->segs[n].off;
+			vec[n].len = buf->segs[n].len;
+		}
 		map->sgt = dma_buf_phys_vec_to_sgt(attach, buf->vgpu->provider,
-						   &vec, 1, buf->size, dir);
+						   vec, buf->nr_segs, buf->size,
+						   dir);
 		ret = PTR_ERR_OR_ZERO(map->sgt);
 		if (ret)
 			dev_warn_ratelimited(&buf->vgpu->dev, "cannot DMA-map BAR2 range %#llx+%#llx for %s: %d\n",
@@ -733,12 +745,21 @@ static void vgpu_reclaim_work(struct work_struct *work)
 	put_device(&vgpu->dev);
 }
 
+/* The page frame of byte @off of @buf (inside it). */
+static unsigned long vgpu_buf_pfn(struct vgpu_buffer *buf, u64 off)
+{
+	unsigned int n;
+
+	for (n = 0; n < buf->nr_segs - 1 && off >= buf->segs[n].len; n++)
+		off -= buf->segs[n].len;
+	return PHYS_PFN(buf->vgpu->bar_phys + buf->segs[n].off + off);
+}
+
 static vm_fault_t vgpu_vm_fault(struct vm_fault *vmf)
 {
 	struct vm_area_struct *vma = vmf->vma;
 	struct vgpu_buffer *buf = vma->vm_private_data;
-	unsigned long pfn = PHYS_PFN(buf->vgpu->bar_phys + buf->bar_offset) +
-			    vma->vm_pgoff;
+	u64 base = (u64)vma->vm_pgoff << PAGE_SHIFT;
 	unsigned long addr;
 	vm_fault_t ret;
 
@@ -753,14 +774,17 @@ static vm_fault_t vgpu_vm_fault(struct vm_fault *vmf)
 		goto out;
 	}
 	ret = vmf_insert_pfn(vma, vmf->address,
-			     pfn + ((vmf->address - vma->vm_start) >> PAGE_SHIFT));
+			     vgpu_buf_pfn(buf, base + vmf->address -
+					  vma->vm_start));
 	if (ret != VM_FAULT_NOPAGE)
 		goto out;
 	/* Map the rest of the VMA now; one fault per page is slow under TCG. */
 	for (addr = vma->vm_start; addr < vma->vm_end; addr += PAGE_SIZE) {
-		if (vmf_insert_pfn(vma, addr, pfn) != VM_FAULT_NOPAGE)
+		if (vmf_insert_pfn(vma, addr,
+				   vgpu_buf_pfn(buf, base + addr -
+						vma->vm_start)) !=
+		    VM_FAULT_NOPAGE)
 			break;
-		pfn++;
 	}
 out:
 	dma_resv_unlock(buf->dmabuf->resv);
@@ -816,14 +840,27 @@ static const struct dma_buf_ops vgpu_dmabuf_ops = {
 static void vgpu_revoke(struct vgpu_buffer *buf)
 {
 	struct dma_buf *dmabuf = buf->dmabuf;
+	struct vgpu_device *vgpu = buf->vgpu;
+	ktime_t start, invalidated, quiet;
 
 	dma_resv_lock(dmabuf->resv, NULL);
 	WRITE_ONCE(buf->revoked, true);
+	unmap_mapping_range(dmabuf->file->f_mapping, 0, 0, 1);
+	start = ktime_get();
 	fgds_dma_buf_invalidate_mappings(dmabuf);
+	invalidated = ktime_get();
+	/* As vfio-pci: the memory is ours again once every fence signalled. */
 	dma_resv_wait_timeout(dmabuf->resv, DMA_RESV_USAGE_BOOKKEEP, false,
 			      MAX_SCHEDULE_TIMEOUT);
-	unmap_mapping_range(dmabuf->file->f_mapping, 0, 0, 1);
+	quiet = ktime_get();
 	dma_resv_unlock(dmabuf->resv);
+
+	mutex_lock(&vgpu->lock);
+	vgpu->last_revoke.bar_offset = buf->bar_offset;
+	vgpu->last_revoke.invalidate_ns = ktime_to_ns(ktime_sub(invalidated,
+								start));
+	vgpu->last_revoke.fence_ns = ktime_to_ns(ktime_sub(quiet, invalidated));
+	mutex_unlock(&vgpu->lock);
 }
 
 /* Wait up to @timeout jiffies until no importer maps @buf; true if none. */
@@ -876,9 +913,15 @@ static int vgpu_ioctl_alloc(struct vgpu_device *vgpu,
 
 	if (copy_from_user(&arg, uarg, sizeof(arg)))
 		return -EFAULT;
-	if (arg.flags) {
-		dev_dbg(&vgpu->dev, "VGPU_IOCTL_ALLOC: flags %#x: no flag is defined, pass 0\n",
+	if (arg.flags & ~(VGPU_ALLOC_RDONLY | VGPU_ALLOC_SKEW)) {
+		dev_dbg(&vgpu->dev, "VGPU_IOCTL_ALLOC: flags %#x: only VGPU_ALLOC_RDONLY and VGPU_ALLOC_SKEW are defined\n",
 			arg.flags);
+		return -EINVAL;
+	}
+	if ((arg.flags & VGPU_ALLOC_SKEW) &&
+	    (vgpu->mode != VGPU_MODE_PLAIN || arg.size < 2 * SZ_2M ||
+	     !IS_ALIGNED(arg.size, SZ_2M))) {
+		dev_dbg(&vgpu->dev, "VGPU_IOCTL_ALLOC: VGPU_ALLOC_SKEW needs mode=plain and a size of 4 MiB or more, a multiple of 2 MiB\n");
 		return -EINVAL;
 	}
 	if (!arg.size || !PAGE_ALIGNED(arg.size)) {
@@ -897,6 +940,10 @@ static int vgpu_ioctl_alloc(struct vgpu_device *vgpu,
 		return -ENOMEM;
 	buf->vgpu = vgpu;
 	buf->size = arg.size;
+	buf->range_size = arg.size;
+	if (arg.flags & VGPU_ALLOC_SKEW)
+		buf->range_size += VGPU_SKEW_ALIGN;
+	buf->readonly = arg.flags & VGPU_ALLOC_RDONLY;
 	INIT_LIST_HEAD(&buf->maps);
 
 	mutex_lock(&vgpu->lock);
@@ -907,13 +954,28 @@ static int vgpu_ioctl_alloc(struct vgpu_device *vgpu,
 	ret = vgpu_range_alloc(vgpu, buf);
 	if (ret) {
 		dev_warn_ratelimited(&vgpu->dev, "VGPU_IOCTL_ALLOC: no free contiguous range of %llu bytes in BAR2 (%u buffers live); release buffers first\n",
-				     arg.size, vgpu->nr_buffers);
+				     buf->range_size, vgpu->nr_buffers);
 		goto err_unlock;
+	}
+	if (arg.flags & VGPU_ALLOC_SKEW) {
+		/*
+		 * The first 2 MiB one page into the range, the rest from 4 MiB
+		 * on: two runs whose offsets from a 2 MiB boundary differ.
+		 */
+		buf->segs[0].off = buf->bar_offset + VGPU_SKEW_HEAD;
+		buf->segs[0].len = VGPU_SKEW_ALIGN;
+		buf->segs[1].off = buf->bar_offset + 2 * VGPU_SKEW_ALIGN;
+		buf->segs[1].len = buf->size - VGPU_SKEW_ALIGN;
+		buf->nr_segs = 2;
+	} else {
+		buf->segs[0].off = buf->bar_offset;
+		buf->segs[0].len = buf->size;
+		buf->nr_segs = 1;
 	}
 
 	exp_info.ops = &vgpu_dmabuf_ops;
 	exp_info.size = buf->size;
-	exp_info.flags = O_RDWR;
+	exp_info.flags = buf->readonly ? O_RDONLY : O_RDWR;
 	exp_info.priv = buf;
 	dmabuf = dma_buf_export(&exp_info);
 	if (IS_ERR(dmabuf)) {
@@ -1047,10 +1109,69 @@ static ssize_t revoke_store(struct device *dev, struct device_attribute *attr,
 }
 static DEVICE_ATTR_WO(revoke);
 
+static ssize_t last_revoke_show(struct device *dev,
+				struct device_attribute *attr, char *page)
+{
+	struct vgpu_device *vgpu = to_vgpu(dev);
+	ssize_t len;
+
+	mutex_lock(&vgpu->lock);
+	len = sysfs_emit(page, "%llu %llu %llu\n",
+			 vgpu->last_revoke.bar_offset,
+			 vgpu->last_revoke.invalidate_ns,
+			 vgpu->last_revoke.fence_ns);
+	mutex_unlock(&vgpu->lock);
+	return len;
+}
+static DEVICE_ATTR_RO(last_revoke);
+
+/* The rig's data pattern (tests/src/pattern.rs): word at byte @offset. */
+static u64 vgpu_pattern_word(u64 seed, u64 offset)
+{
+	u64 z = (offset / 8) ^ rol64(seed, 32);
+
+	z += 0x9e3779b97f4a7c15ULL;
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+	return z ^ (z >> 31);
+}
+
+/*
+ * Writes the rig's pattern into a range of BAR2, as the GPU would when the
+ * memory goes to its next user after a revocation.
+ */
+static ssize_t fill_store(struct device *dev, struct device_attribute *attr,
+			  const char *page, size_t count)
+{
+	struct vgpu_device *vgpu = to_vgpu(dev);
+	u64 off, len, seed, i;
+	void __iomem *va;
+
+	if (sscanf(page, "%llu %llu %llu", &off, &len, &seed) != 3 ||
+	    !IS_ALIGNED(off | len, 8) || !len || off > vgpu->bar_size ||
+	    len > vgpu->bar_size - off) {
+		dev_dbg(&vgpu->dev, "fill: write \"<offset> <length> <seed>\", 8-byte aligned, inside BAR2\n");
+		return -EINVAL;
+	}
+	va = ioremap_wc(vgpu->bar_phys + off, len);
+	if (!va)
+		return -ENOMEM;
+	for (i = 0; i < len; i += 8) {
+		writeq(vgpu_pattern_word(seed, i), va + i);
+		if (!(i & (SZ_1M - 1)))
+			cond_resched();
+	}
+	iounmap(va);
+	return count;
+}
+static DEVICE_ATTR_WO(fill);
+
 static struct attribute *vgpu_attrs[] = {
 	&dev_attr_mode.attr,
 	&dev_attr_buffers.attr,
 	&dev_attr_revoke.attr,
+	&dev_attr_last_revoke.attr,
+	&dev_attr_fill.attr,
 	NULL
 };
 ATTRIBUTE_GROUPS(vgpu);

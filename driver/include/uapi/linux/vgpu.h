@@ -49,14 +49,30 @@
  * ``revoke`` (write-only, root)
  *	Write a buffer's ``bar_offset`` (decimal, or hex with ``0x``) to take
  *	the buffer away, as a GPU driver does when it evicts or loses VRAM:
+ *	every CPU mapping is zapped so that later accesses raise ``SIGBUS``,
  *	importers are told to drop their mappings (``move_notify`` or
- *	``invalidate_mappings``), every CPU mapping is zapped so that later
- *	accesses raise ``SIGBUS``, new mappings and mmaps fail with ``ENODEV``.
- *	The write returns once every importer has unmapped the buffer. It
- *	fails with ``ENOENT`` if no live buffer starts at that offset, with
- *	``EINVAL`` if the text is not a number and with ``ETIMEDOUT`` if
- *	importers still map the buffer after the ``revoke_timeout_ms`` module
- *	parameter (the buffer stays revoked). Revoking twice is not an error.
+ *	``invalidate_mappings``), new mappings and mmaps fail with ``ENODEV``.
+ *	Then, holding the reservation lock as vfio-pci does, vgpu waits for
+ *	every fence in the buffer's reservation object, with no time limit: an
+ *	importer whose DMA into the buffer is still in flight adds one and
+ *	signals it once that DMA is done. The write returns once the fences
+ *	signalled and every importer has unmapped the buffer. It fails with
+ *	``ENOENT`` if no live buffer starts at that offset, with ``EINVAL`` if
+ *	the text is not a number and with ``ETIMEDOUT`` if importers still map
+ *	the buffer ``revoke_timeout_ms`` (a module parameter) after their
+ *	fences signalled (the buffer stays revoked). Revoking twice is not an
+ *	error.
+ *
+ * ``last_revoke`` (read-only)
+ *	Three decimal fields about the latest revocation: the buffer's
+ *	``bar_offset``, how long the importers' invalidation callbacks took and
+ *	how long the wait for their fences took, both in nanoseconds.
+ *
+ * ``fill`` (write-only, root)
+ *	Write ``<offset> <length> <seed>`` (decimal, 8-byte aligned, inside
+ *	BAR2) to fill that range of BAR2 with the test rig's data pattern of
+ *	that seed (``tests/src/pattern.rs``, the pattern stream starting at the
+ *	range), as the GPU does when memory goes to its next user.
  *
  * When the PCI device goes away (unbind, hot-unplug), every buffer is revoked
  * as above and the removal waits until importers have unmapped them (in
@@ -69,12 +85,14 @@
  * struct vgpu_alloc - argument of &VGPU_IOCTL_ALLOC
  * @size: in: size of the buffer in bytes, a non-zero multiple of the page
  *	size and at most the size of BAR2.
- * @flags: in: must be 0.
+ * @flags: in: 0, or a combination of &VGPU_ALLOC_RDONLY and
+ *	&VGPU_ALLOC_SKEW.
  * @fd: out: the new dma-buf file descriptor, opened ``O_RDWR | O_CLOEXEC``.
  *	Ignored on input.
  * @bar_offset: out: offset of the buffer in BAR2, a multiple of the page
  *	size. The buffer occupies the contiguous range
- *	[@bar_offset, @bar_offset + @size) of BAR2. Ignored on input.
+ *	[@bar_offset, @bar_offset + @size) of BAR2 (with &VGPU_ALLOC_SKEW, see
+ *	there). Ignored on input.
  */
 struct vgpu_alloc {
 	__u64 size;
@@ -94,8 +112,9 @@ struct vgpu_alloc {
  * Return: 0 on success, -1 with errno set on failure:
  *
  * - ``EFAULT``: the argument is not readable or not writable.
- * - ``EINVAL``: @flags is not 0, @size is 0, not a multiple of the page size,
- *   or larger than BAR2.
+ * - ``EINVAL``: @flags has an unknown bit, @size is 0, not a multiple of the
+ *   page size, or larger than BAR2; &VGPU_ALLOC_SKEW in ``p2pdma`` mode or
+ *   with a size it does not allow.
  * - ``ENOMEM``: BAR2 has no free contiguous range of @size bytes (free or
  *   revoke and close other buffers first), or the kernel is out of memory.
  * - ``ENODEV``: the PCI device was removed while ``/dev/vgpuN`` stayed open.
@@ -104,5 +123,26 @@ struct vgpu_alloc {
  * - ``ENOTTY``: not a vgpu ioctl.
  */
 #define VGPU_IOCTL_ALLOC _IOWR('V', 0x01, struct vgpu_alloc)
+
+/**
+ * define VGPU_ALLOC_RDONLY - export the buffer read-only
+ *
+ * The dma-buf file is opened ``O_RDONLY``: importers must not write to it,
+ * and its own mmap cannot be writable.
+ */
+#define VGPU_ALLOC_RDONLY	(1U << 0)
+
+/**
+ * define VGPU_ALLOC_SKEW - a buffer of two runs at different 2 MiB phases
+ *
+ * For importers' tests of buffers that are not one run of BAR2 (``mode``
+ * ``plain`` only; @size at least 4 MiB, a multiple of 2 MiB). vgpu takes
+ * the range [@bar_offset, @bar_offset + @size + 2 MiB), @bar_offset 2 MiB
+ * aligned; the buffer's first 2 MiB are BAR2 [@bar_offset + 4 KiB,
+ * @bar_offset + 4 KiB + 2 MiB), the rest is BAR2 [@bar_offset + 4 MiB,
+ * @bar_offset + 2 MiB + @size). The DMA addresses and the CPU mapping
+ * follow that layout.
+ */
+#define VGPU_ALLOC_SKEW		(1U << 1)
 
 #endif /* _UAPI_LINUX_VGPU_H */
