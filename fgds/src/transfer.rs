@@ -1,11 +1,9 @@
 //! Large direct I/O through io_uring: a range is split into sub-requests of `chunk_size`, with
 //! up to `queue_depth` in flight.
 //!
-//! A buffer registered with [`Transfer::register_buffer`] is an io_uring fixed buffer: the
-//! kernel pins its pages once, instead of once per request (`pin_user_pages_fast()`, a page at
-//! a time with interrupts off), which is most of what a large read into GPU memory would
-//! otherwise cost the CPU (docs/performance.md). It is opt-in, because such a pin outlives a
-//! revocation (see the method).
+//! Every request pins the pages it moves for as long as it is in flight, and no longer. GPU
+//! memory is never an io_uring fixed buffer: such a pin would outlive a revocation, and the
+//! kernel refuses it for fgds mappings (docs/driver.md, "Revocation contract").
 
 use std::fs::File;
 use std::ops::Range;
@@ -50,20 +48,15 @@ pub enum Direction {
 /// let buffer = buffer();
 /// let file = fgds::open_direct("/data/shard-0.bin".as_ref(), false)?;
 /// let mut transfer = Transfer::new(TransferConfig::DEFAULT)?;
-/// if let Err(err) = transfer.register_buffer(&buffer) {
-///     println!("requests will pin their pages one by one: {err}");
-/// }
 /// match transfer.run(Direction::Read, &buffer, 0..buffer.len(), &file, 0) {
 ///     Ok(n) => println!("{n} bytes in GPU memory"),
 ///     Err(err) => println!("the first {} bytes arrived, then: {err}", err.bytes_done()),
 /// }
 /// # Ok::<(), fgds::Error>(())
 /// ```
-pub struct Transfer<'b> {
+pub struct Transfer {
     ring: IoUring,
     config: TransferConfig,
-    /// The buffer registered as the ring's fixed buffer 0, if any.
-    fixed: Option<&'b Buffer>,
 }
 
 /// What one `run` call moves, shared by its sub-requests.
@@ -82,8 +75,8 @@ struct Chunk {
     done: usize,
 }
 
-impl<'b> Transfer<'b> {
-    pub fn new(config: TransferConfig) -> Result<Transfer<'b>> {
+impl Transfer {
+    pub fn new(config: TransferConfig) -> Result<Transfer> {
         if config.chunk_size == 0 || config.queue_depth == 0 {
             return Err(Error::Invalid(format!(
                 "chunk size and queue depth must be non-zero: {config:?}"
@@ -96,47 +89,7 @@ impl<'b> Transfer<'b> {
                 len: 0,
                 source,
             })?;
-        Ok(Transfer {
-            ring,
-            config,
-            fixed: None,
-        })
-    }
-
-    /// Registers `buffer` as the ring's fixed buffer, so that `run` on it pins nothing per
-    /// request. The pages stay pinned until the `Transfer` is dropped.
-    ///
-    /// The pin outlives a revocation: fgds removes the buffer's mappings and waits for I/O in
-    /// flight, but a request submitted through the fixed buffer afterwards still reaches the
-    /// pages, and the GPU's unbind or removal waits `revoke_timeout_ms` for the pin and then
-    /// gives up (docs/driver.md, "known limit"). Drop the `Transfer` when the GPU is going
-    /// away; without this call, requests pin per request and a revocation stops them.
-    ///
-    /// Fails where the kernel will not pin the buffer's pages long-term: P2PDMA pages (Linux
-    /// 7.x, `fgds list` mode `p2pdma` or `exporter-p2pdma`) give `EREMOTEIO`, Linux 6.1's
-    /// io_uring takes no file-backed memory (`EOPNOTSUPP`), and without `CAP_IPC_LOCK` the
-    /// pinned bytes count against `RLIMIT_MEMLOCK` (`ENOMEM`). The `Transfer` is unchanged
-    /// then and works as before.
-    pub fn register_buffer(&mut self, buffer: &'b Buffer) -> Result<()> {
-        if self.fixed.is_some() {
-            return Err(Error::Invalid(
-                "this Transfer already has a fixed buffer: use one Transfer per buffer".to_owned(),
-            ));
-        }
-        let iov = libc::iovec {
-            iov_base: buffer.as_ptr().cast(),
-            iov_len: buffer.len(),
-        };
-        // SAFETY: `buffer` is mapped for `'b`, which outlives the ring, and `Drop` unregisters
-        // it before the ring goes.
-        unsafe { self.ring.submitter().register_buffers(&[iov]) }.map_err(|source| Error::Io {
-            op: "io_uring fixed buffer registration",
-            done: 0,
-            len: buffer.len() as u64,
-            source,
-        })?;
-        self.fixed = Some(buffer);
-        Ok(())
+        Ok(Transfer { ring, config })
     }
 
     /// Moves `range` of `buffer` to or from `file` at `file_offset`; returns the bytes moved.
@@ -261,16 +214,9 @@ impl<'b> Transfer<'b> {
         let len = (chunk.len - chunk.done) as u32;
         let file_off = file_offset + (chunk.start + chunk.done) as u64;
         let fd = types::Fd(file.as_raw_fd());
-        let fixed = self.fixed.is_some_and(|b| std::ptr::eq(b, job.buffer));
-        let sqe = match (dir, fixed) {
-            (Direction::Read, true) => opcode::ReadFixed::new(fd, ptr, len, 0)
-                .offset(file_off)
-                .build(),
-            (Direction::Read, false) => opcode::Read::new(fd, ptr, len).offset(file_off).build(),
-            (Direction::Write, true) => opcode::WriteFixed::new(fd, ptr, len, 0)
-                .offset(file_off)
-                .build(),
-            (Direction::Write, false) => opcode::Write::new(fd, ptr, len).offset(file_off).build(),
+        let sqe = match dir {
+            Direction::Read => opcode::Read::new(fd, ptr, len).offset(file_off).build(),
+            Direction::Write => opcode::Write::new(fd, ptr, len).offset(file_off).build(),
         }
         .user_data(index as u64);
         // SAFETY: the buffer and file outlive the request: `run` waits for every completion
@@ -281,12 +227,3 @@ impl<'b> Transfer<'b> {
     }
 }
 
-impl Drop for Transfer<'_> {
-    fn drop(&mut self) {
-        if self.fixed.is_some() {
-            // Unpins the pages now; the kernel would otherwise do it later, from a worker,
-            // after the buffer may already be gone.
-            let _ = self.ring.submitter().unregister_buffers();
-        }
-    }
-}

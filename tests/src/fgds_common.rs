@@ -379,3 +379,11 @@ pub fn run_refusing(cases: &[fgds_tests::ktap::Case], without_reg: &[&str]) -> !
     }
     fgds_tests::ktap::run(cases)
 }
+
+/// The guest kernel's release (`uname -r`).
+pub fn kernel_release() -> anyhow::Result<String> {
+    Ok(std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .context("cannot read /proc/sys/kernel/osrelease")?
+        .trim()
+        .to_owned())
+}

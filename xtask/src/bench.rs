@@ -145,17 +145,6 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
                 "registration: the GPU's page provider was set up before the bench opened the node: not measured"
             ),
         }
-        match (
-            reg["fixed_buffer_s"].as_f64(),
-            reg["fixed_buffer_refused"].as_str(),
-        ) {
-            (Some(s), _) => println!(
-                "registration: io_uring fixed buffer of the 1 GiB (pins it once) {s:.4} s ({:.2}%)",
-                pct("fixed_buffer_s")
-            ),
-            (None, Some(why)) => println!("registration: no io_uring fixed buffer: {why}"),
-            (None, None) => {}
-        }
     }
     let plots = plot(&rows, &out_dir, &label)?;
     println!(
@@ -393,13 +382,6 @@ fn markdown(rows: &[Value], registration: Option<&Value>) -> String {
                 md,
                 "; the GPU's page provider, set up by the first open of its node: {:.1} ms ({:.2}%)",
                 1e3 * s,
-                100.0 * s / read
-            );
-        }
-        if let Some(s) = reg["fixed_buffer_s"].as_f64() {
-            let _ = write!(
-                md,
-                "; io_uring fixed buffer of the 1 GiB (pins it once): {s:.3} s ({:.2}%)",
                 100.0 * s / read
             );
         }

@@ -208,11 +208,6 @@ fn registration_cost() -> CaseResult {
         chunk_size: 4 << 20,
         queue_depth: 8,
     })?;
-    // The read goes through a fixed buffer where the kernel allows one, as `fgds bench` does:
-    // what pinning the whole buffer once costs is reported next to REG.
-    let started = Instant::now();
-    let fixed = transfer.register_buffer(&buffer);
-    let fixed_s = started.elapsed().as_secs_f64();
     // The drive's first 128 MiB eight times over (clear of its fault areas at 240 MiB), once
     // unmeasured: the host backs the rig's GPU memory with pages on first touch, at about
     // 0.5 GB/s, which a GPU's memory never does.
@@ -235,8 +230,6 @@ fn registration_cost() -> CaseResult {
         "read_1gib_s": read_s,
         "first_read_1gib_s": first_read_s,
         "reg_map_fraction_of_read": reg_map_s / read_s,
-        "fixed_buffer_s": fixed.is_ok().then_some(fixed_s),
-        "fixed_buffer_refused": fixed.err().map(|e| e.to_string()),
     });
     ktap::diag(format_args!("fgds-bench: {row}"));
     ktap::pass()

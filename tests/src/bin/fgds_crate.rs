@@ -27,10 +27,6 @@ fn main() {
             run: transfer_reports_partial_completion,
         },
         Case {
-            name: "transfer_through_a_fixed_buffer",
-            run: transfer_through_a_fixed_buffer,
-        },
-        Case {
             name: "misaligned_io_refused_before_the_kernel",
             run: misaligned_io_refused_before_the_kernel,
         },
@@ -113,60 +109,6 @@ fn transfer_reports_partial_completion() -> CaseResult {
     transfer
         .run(Direction::Read, &buffer, 0..buffer.len(), &nvme, 0)
         .context("I/O after the failure")?;
-    ktap::pass()
-}
-
-/// NVMe -> GPU -> NVMe through a `Transfer` whose ring has the buffer as its fixed buffer, in
-/// chunks that start inside it; the pages are unpinned when the `Transfer` goes, so the buffer
-/// unregisters cleanly after.
-fn transfer_through_a_fixed_buffer() -> CaseResult {
-    const LEN: u64 = 8 * MIB;
-    let (buffer, dmabuf) = registered(LEN)?;
-    let nvme = fgds::open_direct(&guest::nvme_path()?, true)?;
-    let scratch = 120 * MIB;
-    {
-        let mut transfer = Transfer::new(TransferConfig {
-            chunk_size: (3 * MIB / 2) as usize,
-            queue_depth: 4,
-        })?;
-        if let Err(err) = transfer.register_buffer(&buffer) {
-            let errno = match &err {
-                Error::Io { source, .. } => source.raw_os_error(),
-                _ => None,
-            };
-            let why = match errno {
-                Some(libc::EREMOTEIO) => "this kernel does not pin P2PDMA pages long-term",
-                Some(libc::EOPNOTSUPP) => "this kernel's io_uring takes no file-backed memory",
-                _ => bail!("registering the buffer as a fixed buffer: {err}"),
-            };
-            return ktap::skip(format_args!("{why}: {err}"));
-        }
-        let second = transfer.register_buffer(&buffer);
-        ensure!(
-            matches!(second, Err(Error::Invalid(_))),
-            "a second fixed buffer on one Transfer gave {second:?}"
-        );
-        transfer.run(Direction::Read, &buffer, 0..buffer.len(), &nvme, 0)?;
-        transfer.run(
-            Direction::Write,
-            &buffer,
-            MIB as usize..buffer.len(),
-            &nvme,
-            scratch,
-        )?;
-    }
-    let cpu = CpuMapping::new(dmabuf.as_fd(), LEN as usize)?;
-    let mut got = vec![0u8; LEN as usize];
-    cpu.read(0, &mut got);
-    if let Some(at) = pattern::first_mismatch(pattern::NVME_SEED, 0, &got) {
-        bail!("the read through the fixed buffer differs from the drive at byte {at}");
-    }
-    let mut back = AlignedBuf::new((LEN - MIB) as usize)?;
-    nvme.read_exact_at(back.as_mut_slice(), scratch)?;
-    if let Some(at) = pattern::first_mismatch(pattern::NVME_SEED, MIB, back.as_slice()) {
-        bail!("the write through the fixed buffer changed byte {at}");
-    }
-    drop(buffer);
     ktap::pass()
 }
 

@@ -40,8 +40,8 @@ fn main() {
             run: io_uring_read_write,
         },
         Case {
-            name: "io_uring_registered_buffers",
-            run: io_uring_registered,
+            name: "io_uring_registered_buffers_refused",
+            run: io_uring_registered_buffers_refused,
         },
         Case {
             name: "nonzero_dmabuf_offset",
@@ -249,7 +249,12 @@ fn io_uring_read_write() -> CaseResult {
     ktap::pass()
 }
 
-fn io_uring_registered() -> CaseResult {
+/// No long-term pin of fgds memory: io_uring's `IORING_REGISTER_BUFFERS` (a writable
+/// `FOLL_LONGTERM` pin) is refused in every mode, because such a pin would outlive a revocation.
+/// GENERIC mappings have a `page_mkwrite` handler, so GUP refuses long-term writable pins of
+/// them (`EFAULT`); GUP never pins P2PDMA pages long-term (`EREMOTEIO`); Linux 6.1's io_uring
+/// takes no file-backed memory (`EOPNOTSUPP`). The mapping stays usable for ordinary requests.
+fn io_uring_registered_buffers_refused() -> CaseResult {
     let len = 2 * MIB;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
@@ -257,34 +262,47 @@ fn io_uring_registered() -> CaseResult {
     let (dmabuf, _) = common::alloc(&vgpu, len)?;
     let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
     let map = Map::shared(&node, idx, len as usize)?;
-    let ring = io_uring::IoUring::new(4)?;
+    // Touch a page for writing first, so that a writable PTE exists (GUP-fast's path).
+    // SAFETY: the first byte of our live, writable mapping.
+    unsafe { map.ptr.write_volatile(0) };
+    let mut ring = io_uring::IoUring::new(4)?;
     let iov = [libc::iovec {
         iov_base: map.ptr.cast(),
         iov_len: len as usize,
     }];
-    // SAFETY: the mapping outlives the registration (unregistered below before unmapping).
-    if let Err(err) = unsafe { ring.submitter().register_buffers(&iov) } {
-        return ktap::skip(format_args!(
-            "this kernel's io_uring refuses fgds memory ({} pages) as a fixed buffer ({err}): P2PDMA pages are never pinned long-term (EREMOTEIO), 6.1 refuses file-backed buffers (EOPNOTSUPP)",
-            common::sysfs("mode")?
-        ));
+    let mode = common::sysfs("mode")?;
+    let release = common::kernel_release()?;
+    let want = match mode.as_str() {
+        _ if release.starts_with("6.1.") => libc::EOPNOTSUPP,
+        "generic" => libc::EFAULT,
+        "p2pdma" | "exporter-p2pdma" => libc::EREMOTEIO,
+        other => bail!("unexpected fgds mode {other:?}"),
+    };
+    // SAFETY: the mapping outlives the ring; a registration that should not have worked is
+    // undone below before the mapping goes.
+    match unsafe { ring.submitter().register_buffers(&iov) } {
+        Ok(()) => {
+            ring.submitter().unregister_buffers()?;
+            bail!("io_uring pinned fgds memory ({mode} pages) long-term as a fixed buffer");
+        }
+        Err(err) => ensure!(
+            err.raw_os_error() == Some(want),
+            "IORING_REGISTER_BUFFERS on {mode} pages failed with {err}, want errno {want}"
+        ),
     }
-    let mut ring = ring;
     let off = 21 * MIB;
-    let sqe = io_uring::opcode::ReadFixed::new(
+    let sqe = io_uring::opcode::Read::new(
         io_uring::types::Fd(nvme.as_raw_fd()),
         map.ptr,
         len as u32,
-        0,
     )
     .offset(off)
     .build();
-    // SAFETY: the registered buffer stays mapped until completion.
+    // SAFETY: the mapping stays until completion, waited for here.
     unsafe { ring.submission().push(&sqe) }.map_err(|_| anyhow::anyhow!("queue full"))?;
     ring.submit_and_wait(1)?;
     let res = ring.completion().next().map(|c| c.result()).unwrap_or(-1);
-    ring.submitter().unregister_buffers()?;
-    ensure!(res == len as i32, "READ_FIXED returned {res}");
+    ensure!(res == len as i32, "READ after the refusal returned {res}");
     common::check_nvme_pattern(
         off,
         &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,

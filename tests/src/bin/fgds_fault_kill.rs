@@ -37,15 +37,7 @@ fn main() {
     common::run_unless_refused(&[
         Case {
             name: "sigkill_with_32_io_uring_reads_in_flight",
-            run: || sigkill_case(false),
-        },
-        Case {
-            name: "sigkill_with_32_fixed_buffer_reads_in_flight",
-            run: || sigkill_case(true),
-        },
-        Case {
-            name: "close_under_io_uring_fixed_buffer_keeps_dmabuf_pinned",
-            run: close_under_fixed_buffer,
+            run: sigkill_case,
         },
         Case {
             name: "close_under_io_then_exporter_unbind",
@@ -55,7 +47,7 @@ fn main() {
 }
 
 /// The child: registers, maps, and keeps DEPTH reads in flight until it is killed.
-fn reader(parent: &mut fault::Parent, counts: &SharedCounter, fixed: bool) -> anyhow::Result<()> {
+fn reader(parent: &mut fault::Parent, counts: &SharedCounter) -> anyhow::Result<()> {
     let node = common::open_node()?;
     let map = {
         let vgpu = common::vgpu()?;
@@ -66,32 +58,15 @@ fn reader(parent: &mut fault::Parent, counts: &SharedCounter, fixed: bool) -> an
     };
     let nvme = common::nvme(false)?;
     let mut ring = IoUring::new(DEPTH as u32)?;
-    if fixed {
-        let iov = libc::iovec {
-            iov_base: map.ptr.cast(),
-            iov_len: LEN,
-        };
-        // SAFETY: the iovec covers our live mapping, which outlives the ring (the process is
-        // killed with both).
-        if let Err(e) = unsafe { ring.submitter().register_buffers(&[iov]) } {
-            parent.ready(&format!("unsupported: {e}"));
-            parent.wait_released();
-            return Ok(());
-        }
-    }
     let fd = types::Fd(nvme.as_raw_fd());
     let push = |ring: &mut IoUring, i: usize| -> anyhow::Result<()> {
         // SAFETY: chunk i lies inside the mapping.
         let ptr = unsafe { map.ptr.add(i * CHUNK) };
         let off = (i * CHUNK) as u64;
-        let sqe = if fixed {
-            opcode::ReadFixed::new(fd, ptr, CHUNK as u32, 0)
-                .offset(off)
-                .build()
-        } else {
-            opcode::Read::new(fd, ptr, CHUNK as u32).offset(off).build()
-        }
-        .user_data(i as u64);
+        let sqe = opcode::Read::new(fd, ptr, CHUNK as u32)
+            .offset(off)
+            .build()
+            .user_data(i as u64);
         // SAFETY: the mapping and the NVMe fd outlive every request (the process dies with
         // them in flight, which is the point).
         unsafe { ring.submission().push(&sqe) }.map_err(|_| anyhow::anyhow!("SQ full"))
@@ -135,12 +110,12 @@ fn module_refcnt() -> anyhow::Result<u64> {
     Ok(s.trim().parse()?)
 }
 
-fn sigkill_case(fixed: bool) -> CaseResult {
+fn sigkill_case() -> CaseResult {
     fault::require_idle()?;
     fault::wait_vgpu_buffers_gone("before the case")?;
     let refcnt = module_refcnt()?;
     let counts = SharedCounter::new()?;
-    let mut child = Child::spawn(|parent| reader(parent, &counts, fixed))?;
+    let mut child = Child::spawn(|parent| reader(parent, &counts))?;
     let ready = child.wait_ready(Duration::from_secs(60));
     let ready = match ready {
         Ok(r) => r,
@@ -150,15 +125,7 @@ fn sigkill_case(fixed: bool) -> CaseResult {
             return Err(e);
         }
     };
-    if let Some(why) = ready.strip_prefix("unsupported: ") {
-        child.release();
-        let _ = child.wait()?;
-        fault::wait_counters_zero("after the child exited")?;
-        return ktap::skip(format!(
-            "io_uring refuses fgds mappings as fixed buffers on this kernel ({why}; on P2PDMA \
-             kernels GUP refuses long-term pins of P2PDMA pages)"
-        ));
-    }
+    ensure!(ready == "reading", "the child said {ready:?}");
     // Let the reads run: at least two full rounds, so that every slot has been resubmitted.
     let started = Instant::now();
     let steady = fault::wait_until(
@@ -168,9 +135,8 @@ fn sigkill_case(fixed: bool) -> CaseResult {
     );
     let before = fault::counters();
     fault::host_log(&format!(
-        "fgds_fault_kill: SIGKILL pid {} with {DEPTH} io_uring reads{} in flight",
-        child.pid,
-        if fixed { " (fixed buffer)" } else { "" }
+        "fgds_fault_kill: SIGKILL pid {} with {DEPTH} io_uring reads in flight",
+        child.pid
     ))?;
     let kill_at = Instant::now();
     child.kill();
@@ -228,94 +194,6 @@ fn vgpu_pins(bar_off: u64) -> anyhow::Result<Option<u32>> {
         .into_iter()
         .find(|b| b.0 == bar_off)
         .map(|b| b.2))
-}
-
-/// An io_uring registered ("fixed") buffer pins the pages of an fgds mapping beyond the
-/// mapping's life. Unmapping and closing the node must neither wait for that pin (close(2)
-/// returns at once) nor give the memory back to the exporter while the ring can still DMA into
-/// it: the dma-buf stays pinned until the ring lets the pages go, and I/O through the ring
-/// still lands in the GPU buffer.
-fn close_under_fixed_buffer() -> CaseResult {
-    fault::require_idle()?;
-    let len = 4 * MIB;
-    let node = common::open_node()?;
-    let vgpu = common::vgpu()?;
-    let (dmabuf, bar_off) = common::alloc(&vgpu, len)?;
-    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
-    let map = Map::shared(&node, idx, len as usize)?;
-    let nvme = common::nvme(false)?;
-    let mut ring = IoUring::new(4)?;
-    let iov = libc::iovec {
-        iov_base: map.ptr.cast(),
-        iov_len: len as usize,
-    };
-    // SAFETY: the iovec covers our live mapping; the ring is dropped before the test returns.
-    if let Err(e) = unsafe { ring.submitter().register_buffers(&[iov]) } {
-        return ktap::skip(format!(
-            "io_uring refuses fgds mappings as fixed buffers on this kernel ({e})"
-        ));
-    }
-    let map_ptr = map.ptr;
-    let read_fixed = |ring: &mut IoUring, nvme_off: u64| -> anyhow::Result<i32> {
-        let sqe = opcode::ReadFixed::new(types::Fd(nvme.as_raw_fd()), map_ptr, len as u32, 0)
-            .offset(nvme_off)
-            .build();
-        // SAFETY: the registered buffer stays pinned by the ring; the NVMe fd outlives the
-        // request, which is waited for here.
-        unsafe { ring.submission().push(&sqe) }.map_err(|_| anyhow::anyhow!("SQ full"))?;
-        ring.submit_and_wait(1)?;
-        let cqe = ring.completion().next().context("no completion")?;
-        Ok(cqe.result())
-    };
-    ensure!(
-        read_fixed(&mut ring, 28 * MIB)? == len as i32,
-        "fixed-buffer read while mapped"
-    );
-    common::check_nvme_pattern(
-        28 * MIB,
-        &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,
-    )?;
-    // One pin from fgds, and one more from dma_buf_map_attachment() on kernels without
-    // CONFIG_DMABUF_MOVE_NOTIFY.
-    let pins = vgpu_pins(bar_off)?.context("vgpu does not list the buffer")?;
-    ensure!(pins >= 1, "vgpu pin count {pins} while registered");
-
-    // Unmap and close: the registration goes, the ring's pin stays.
-    drop(map);
-    let start = Instant::now();
-    drop(node);
-    let close_took = start.elapsed();
-    ktap::diag(format_args!("close(2) of the node took {close_took:?}"));
-    ensure!(
-        close_took < Duration::from_secs(1),
-        "close(2) of the node took {close_took:?}: it waited for the ring's pin"
-    );
-    fault::wait_counters_zero("after close")?;
-    ensure!(
-        vgpu_pins(bar_off)? == Some(pins),
-        "vgpu pin count {:?} after close with the ring still pinning the pages, want {pins} \
-         (the exporter would reuse memory the ring can still DMA into)",
-        vgpu_pins(bar_off)?
-    );
-    // The ring still reaches the pages: the data must land in the same GPU memory.
-    common::gpu_fill(dmabuf.as_fd(), len as usize, 0)?;
-    let res = read_fixed(&mut ring, 32 * MIB)?;
-    ensure!(res == len as i32, "fixed-buffer read after close: {res}");
-    common::check_nvme_pattern(
-        32 * MIB,
-        &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,
-    )?;
-
-    // The ring goes: fgds unpins and gives the dma-buf back.
-    drop(ring);
-    fault::wait_until(
-        "fgds to unpin the dma-buf once the ring is gone",
-        Duration::from_secs(20),
-        || Ok(vgpu_pins(bar_off)? == Some(0)),
-    )?;
-    drop(dmabuf);
-    fault::wait_vgpu_buffers_gone("after the ring and the dma-buf are gone")?;
-    ktap::pass()
 }
 
 /// The blkdebug breakpoint tag.
