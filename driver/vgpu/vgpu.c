@@ -248,7 +248,11 @@ MODULE_PARM_DESC(publish, "mode=p2pdma: also publish the P2PDMA memory, so that 
 
 static unsigned int revoke_timeout_ms = 10000;
 module_param(revoke_timeout_ms, uint, 0644);
-MODULE_PARM_DESC(revoke_timeout_ms, "How long a write to sysfs revoke waits for importers to unmap the buffer (default 10000)");
+MODULE_PARM_DESC(revoke_timeout_ms, "How long a write to sysfs revoke waits for importers to unmap the buffer once their fences signalled (default 10000)");
+
+static ulong bar_bytes;
+module_param(bar_bytes, ulong, 0644);
+MODULE_PARM_DESC(bar_bytes, "Resize BAR2 to this many bytes (a power of two) when binding, as GPU drivers resize their BARs at probe; 0 keeps it (default)");
 
 static enum vgpu_mode vgpu_mode;
 static struct workqueue_struct *vgpu_wq;
@@ -1296,11 +1300,50 @@ static int vgpu_setup_p2pdma(struct vgpu_device *vgpu)
 	return 0;
 }
 
+/*
+ * Gives BAR2 a new size (bar_bytes), as a GPU driver resizes its BAR at
+ * probe: the PCI core assigns the BAR again, possibly elsewhere. ivshmem has
+ * no Resizable BAR capability, so the device keeps decoding its whole memory;
+ * only the kernel's view, and so every importer's, changes. Before the device
+ * is enabled, with memory decoding off.
+ */
+static int vgpu_resize_bar(struct pci_dev *pdev, resource_size_t size)
+{
+	struct resource *res = &pdev->resource[VGPU_BAR];
+	u16 cmd;
+	int ret;
+
+	if (!is_power_of_2(size) || size < SZ_2M) {
+		pci_err(pdev, "bar_bytes=%pa: not a power of two of 2 MiB or more\n",
+			&size);
+		return -EINVAL;
+	}
+	pci_read_config_word(pdev, PCI_COMMAND, &cmd);
+	pci_write_config_word(pdev, PCI_COMMAND, cmd & ~PCI_COMMAND_MEMORY);
+	pci_release_resource(pdev, VGPU_BAR);
+	res->start = 0;
+	res->end = size - 1;
+	ret = pci_assign_resource(pdev, VGPU_BAR);
+	pci_write_config_word(pdev, PCI_COMMAND, cmd);
+	if (ret)
+		pci_err(pdev, "cannot assign BAR2 with %pa bytes: %d\n", &size,
+			ret);
+	else
+		pci_info(pdev, "BAR2 resized to %pR\n", res);
+	return ret;
+}
+
 static int vgpu_probe(struct pci_dev *pdev, const struct pci_device_id *id)
 {
+	resource_size_t want = READ_ONCE(bar_bytes);
 	struct vgpu_device *vgpu;
 	int ret;
 
+	if (want && want != pci_resource_len(pdev, VGPU_BAR)) {
+		ret = vgpu_resize_bar(pdev, want);
+		if (ret)
+			return ret;
+	}
 	ret = pcim_enable_device(pdev);
 	if (ret)
 		return ret;

@@ -34,10 +34,21 @@ pub fn open(n: u32) -> Result<File> {
         .map_err(|source| Error::Open { path, source })
 }
 
+/// `VGPU_ALLOC_RDONLY`: the dma-buf is opened read-only.
+pub const ALLOC_RDONLY: u32 = 1 << 0;
+/// `VGPU_ALLOC_SKEW`: the buffer is two runs of BAR2 at different 2 MiB phases.
+pub const ALLOC_SKEW: u32 = 1 << 1;
+
 /// Allocates `size` bytes of vgpu memory; returns its dma-buf and its offset in BAR2.
 pub fn alloc(dev: &File, size: u64) -> Result<(OwnedFd, u64)> {
+    alloc_with(dev, size, 0)
+}
+
+/// [`alloc`] with `VGPU_ALLOC_*` flags.
+pub fn alloc_with(dev: &File, size: u64, flags: u32) -> Result<(OwnedFd, u64)> {
     let mut arg = Alloc {
         size,
+        flags,
         ..Alloc::default()
     };
     // SAFETY: `Alloc` is `struct vgpu_alloc` and the opcode encodes its size; the kernel

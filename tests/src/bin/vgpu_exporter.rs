@@ -111,7 +111,9 @@ fn alloc_rejects_bad_input() -> CaseResult {
     let dev = vgpu::open(0)?;
     let bar = bar_size()?;
     for (size, flags, what) in [
-        (4096, 1, "flags"),
+        (4096, 1 << 2, "an unknown flag"),
+        (4096, vgpu::ALLOC_SKEW, "a skewed buffer under 4 MiB"),
+        ((4 << 20) + 4096, vgpu::ALLOC_SKEW, "a skewed buffer not a multiple of 2 MiB"),
         (0, 0, "size 0"),
         (4097, 0, "unaligned size"),
         (bar + 4096, 0, "larger than the BAR"),
@@ -138,6 +140,12 @@ fn alloc_fd_flags() -> CaseResult {
     ensure!(
         fl & rustix::fs::OFlags::RWMODE == rustix::fs::OFlags::RDWR,
         "not O_RDWR: {fl:?}"
+    );
+    let (ro, _) = alloc_raw(&dev, 1 << 20, vgpu::ALLOC_RDONLY)?;
+    let fl = rustix::fs::fcntl_getfl(&ro)?;
+    ensure!(
+        fl & rustix::fs::OFlags::RWMODE == rustix::fs::OFlags::RDONLY,
+        "VGPU_ALLOC_RDONLY: not O_RDONLY: {fl:?}"
     );
     ktap::pass()
 }

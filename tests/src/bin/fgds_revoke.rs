@@ -1,0 +1,923 @@
+//! Issue 16: revocation that holds. Once the exporter takes its memory back (or the GPU's
+//! driver unbinds), nothing fgds handed out reaches that memory again, the exporter's
+//! invalidation returns without waiting for I/O, its fence signals only once the I/O is done,
+//! and no timer gives the memory back early. Also the review's other defects: PMDs in
+//! VM_MIXEDMAP mappings, read-only dma-bufs, BAR geometry, teardown past its deadline, and
+//! global locks held across the wait.
+//!
+//! Reads are held in flight with a QEMU blkdebug breakpoint on the raw drive (the first read
+//! to reach the drive waits until the case resumes it).
+
+#[path = "../fgds_common.rs"]
+mod common;
+#[path = "../fgds_fault_common.rs"]
+mod fault;
+
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::Ordering;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use common::{MIB, Map, PAGE};
+use fault::{Child, SharedCounter};
+use fgds_tests::guest::AlignedBuf;
+use fgds_tests::ktap::{self, Case, CaseResult};
+use fgds_tests::{ctl, pattern};
+use rustix::io::Errno;
+
+/// NVMe scratch area of this program: the data the held reads carry.
+const SCRATCH: u64 = 208 * MIB;
+/// What GPU memory holds before and after (the sentinel), and what the held read carries.
+const SEED_SENTINEL: u64 = 0x5345_4e54;
+const SEED_READ: u64 = 0x5245_4144;
+/// How long a case keeps a read held before it resumes it.
+const HOLD: Duration = Duration::from_secs(2);
+
+fn main() {
+    common::run_unless_refused(&[
+        Case {
+            name: "held_read_never_lands_after_revocation",
+            run: held_read_never_lands_after_revocation,
+        },
+        Case {
+            name: "vmsplice_holds_revocation_until_drained",
+            run: vmsplice_holds_revocation_until_drained,
+        },
+        Case {
+            name: "readonly_dmabuf_gives_readonly_mapping",
+            run: readonly_dmabuf_gives_readonly_mapping,
+        },
+        Case {
+            name: "no_pmd_in_a_mixedmap_mapping_of_two_extents",
+            run: no_pmd_with_two_extents,
+        },
+        Case {
+            name: "no_pmd_after_mremap_to_an_aligned_address",
+            run: no_pmd_after_mremap,
+        },
+        Case {
+            name: "teardown_past_its_deadline_keeps_waiting",
+            run: teardown_past_its_deadline_keeps_waiting,
+        },
+        Case {
+            name: "unbind_with_revocation_pending_blocks_no_one_else",
+            run: unbind_blocks_no_one_else,
+        },
+        Case {
+            name: "bar_resized_at_probe_is_read_again",
+            run: bar_resized_at_probe_is_read_again,
+        },
+    ])
+}
+
+/// The blkdebug breakpoint tag.
+const TAG: &str = "fgds_revoke";
+
+/// A qemu-io command on the raw drive's block node, through the host.
+fn qemu_io(cmd: &str) -> anyhow::Result<()> {
+    let out = ctl::request(&format!("hmp qemu-io nvme0-disk \"{cmd}\""))?;
+    ensure!(out.trim().is_empty(), "qemu-io {cmd:?}: {out}");
+    Ok(())
+}
+
+/// A blkdebug breakpoint on the raw drive: QEMU suspends the first read that reaches it
+/// until [`Breakpoint::resume`]. Dropping it removes and resumes it whatever happened.
+struct Breakpoint;
+
+impl Breakpoint {
+    fn arm() -> anyhow::Result<Breakpoint> {
+        qemu_io(&format!("break read_aio {TAG}"))?;
+        Ok(Breakpoint)
+    }
+
+    fn resume(&self) -> anyhow::Result<()> {
+        qemu_io(&format!("resume {TAG}"))
+    }
+}
+
+impl Drop for Breakpoint {
+    fn drop(&mut self) {
+        let _ = qemu_io(&format!("remove_break {TAG}"));
+        let _ = qemu_io(&format!("resume {TAG}"));
+    }
+}
+
+/// A pread(2) from the raw drive into `map`, in a thread: returns bytes read or the errno.
+fn read_in_thread(map: &Map, len: usize, nvme_off: u64) -> JoinHandle<Result<usize, Errno>> {
+    let ptr = map.ptr as usize;
+    std::thread::spawn(move || {
+        let nvme = common::nvme(false).map_err(|_| Errno::IO)?;
+        common::pread_raw(&nvme, ptr as *mut u8, len, nvme_off)
+    })
+}
+
+/// Starts a read into `map` and checks that QEMU holds it.
+fn held_read(
+    map: &Map,
+    len: usize,
+    nvme_off: u64,
+) -> anyhow::Result<(Breakpoint, JoinHandle<Result<usize, Errno>>)> {
+    let bp = Breakpoint::arm()?;
+    let reader = read_in_thread(map, len, nvme_off);
+    std::thread::sleep(Duration::from_millis(500));
+    ensure!(
+        !reader.is_finished(),
+        "the read was not held by the breakpoint: {:?}",
+        reader.join()
+    );
+    Ok((bp, reader))
+}
+
+fn join<T>(handle: JoinHandle<T>, what: &str) -> anyhow::Result<T> {
+    handle
+        .join()
+        .map_err(|_| anyhow::anyhow!("the thread that {what} panicked"))
+}
+
+/// The vgpu sysfs directory of the rig's GPU.
+fn vgpu_sysfs(attr: &str) -> anyhow::Result<String> {
+    Ok(format!("/sys/class/vgpu/{}/{attr}", common::vgpu_name()?))
+}
+
+/// vgpu fills BAR2 `[off, off + len)` with the rig's pattern of `seed`, as the GPU does when
+/// memory goes to its next user.
+fn vgpu_fill(off: u64, len: u64, seed: u64) -> anyhow::Result<()> {
+    let path = vgpu_sysfs("fill")?;
+    std::fs::write(&path, format!("{off} {len} {seed}")).with_context(|| format!("write {path}"))
+}
+
+/// The latest revocation vgpu made: (bar_offset, invalidation, wait for fences).
+fn last_revoke() -> anyhow::Result<(u64, Duration, Duration)> {
+    let path = vgpu_sysfs("last_revoke")?;
+    let text = std::fs::read_to_string(&path).with_context(|| format!("read {path}"))?;
+    let f = text
+        .split_whitespace()
+        .map(str::parse::<u64>)
+        .collect::<Result<Vec<_>, _>>()?;
+    ensure!(f.len() == 3, "{path}: {text:?}");
+    Ok((f[0], Duration::from_nanos(f[1]), Duration::from_nanos(f[2])))
+}
+
+/// Revokes the vgpu buffer at `bar_off` in a thread (the write returns once fences signalled).
+fn revoke_in_thread(bar_off: u64) -> JoinHandle<anyhow::Result<()>> {
+    std::thread::spawn(move || common::revoke(bar_off))
+}
+
+/// Waits until a CPU access to `ptr` raises SIGBUS: the buffer's mappings are zapped.
+fn wait_zapped(ptr: *mut u8) -> anyhow::Result<()> {
+    fault::wait_until(
+        "the mapping to be zapped (SIGBUS on access)",
+        Duration::from_secs(10),
+        || Ok(common::touch_in_child(ptr)? == 128 + libc::SIGBUS),
+    )
+    .map(drop)
+}
+
+/// Puts `seed`'s pattern on the drive's scratch area.
+fn write_scratch(seed: u64, len: usize) -> anyhow::Result<()> {
+    let nvme = common::nvme(true)?;
+    let mut ram = AlignedBuf::new(len)?;
+    pattern::fill(seed, 0, ram.as_mut_slice());
+    nvme.write_all_at(ram.as_slice(), SCRATCH)?;
+    Ok(())
+}
+
+/// Reads `len` bytes of BAR2 at `bar_off` through a fresh vgpu buffer of the same range:
+/// vgpu hands ranges out first fit, so once the old buffer is gone, allocating it again gives
+/// the same range (checked).
+fn read_range_again(bar_off: u64, len: u64) -> anyhow::Result<Vec<u8>> {
+    let vgpu = common::vgpu()?;
+    let (dmabuf, off) = common::alloc(&vgpu, len)?;
+    ensure!(
+        off == bar_off,
+        "vgpu gave BAR2 {off:#x}, not the revoked buffer's {bar_off:#x}: cannot read it back"
+    );
+    common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)
+}
+
+/// (a) A read held in flight into a buffer whose exporter revokes it: the exporter's
+/// invalidation returns while the read is still held, its wait for fences ends only after the
+/// read ended, new I/O and CPU access fail at once, and once the exporter reuses the memory
+/// (vgpu writes the sentinel again) nothing of the read lands there.
+fn held_read_never_lands_after_revocation() -> CaseResult {
+    fault::require_idle()?;
+    const LEN: u64 = 4 * MIB;
+    write_scratch(SEED_READ, LEN as usize)?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    let map = Map::shared(&node, idx, LEN as usize)?;
+    let nvme = common::nvme(false)?;
+
+    let (bp, reader) = held_read(&map, LEN as usize, SCRATCH)?;
+    fault::host_log("fgds_revoke: vgpu revokes a buffer with a read held in flight into it")?;
+    let started = Instant::now();
+    let revoker = revoke_in_thread(bar_off);
+    wait_zapped(map.ptr)?;
+    let late = common::pread_raw(&nvme, map.ptr, PAGE as usize, SCRATCH);
+    ensure!(
+        late == Err(Errno::FAULT),
+        "a read into the revoked buffer gave {late:?}, want EFAULT"
+    );
+    std::thread::sleep(HOLD.saturating_sub(started.elapsed()));
+    ensure!(
+        !revoker.is_finished(),
+        "the exporter's revocation returned while a read into the buffer was in flight: it got \
+         the memory back early ({:?})",
+        join(revoker, "revoked")?
+    );
+    let resumed = started.elapsed();
+    bp.resume()?;
+    let read = join(reader, "read")?;
+    join(revoker, "revoked")?.context("revoke")?;
+    let (off, invalidate, fences) = last_revoke()?;
+    ktap::diag(format_args!(
+        "held read: {read:?}; invalidation took {invalidate:?}, the wait for fences {fences:?}; \
+         the read was resumed {resumed:?} into the revocation"
+    ));
+    ensure!(off == bar_off, "vgpu's last revocation was of {off:#x}");
+    ensure!(
+        read == Ok(LEN as usize),
+        "the held read ended with {read:?}, want {LEN} bytes (it pinned its pages before the \
+         revocation)"
+    );
+    ensure!(
+        invalidate < resumed / 2,
+        "the invalidation callback took {invalidate:?} while the read was held for {resumed:?}: \
+         it waited for I/O"
+    );
+    ensure!(
+        invalidate + fences + Duration::from_millis(100) >= resumed,
+        "the fence signalled {:?} into the revocation, before the read was resumed at \
+         {resumed:?}",
+        invalidate + fences
+    );
+
+    // The exporter reuses the memory: anything of the read landing from now on would show.
+    vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    std::thread::sleep(Duration::from_millis(500));
+    drop(map);
+    drop(node);
+    drop(dmabuf);
+    fault::wait_counters_zero("after the case")?;
+    let got = read_range_again(bar_off, LEN)?;
+    if let Some(at) = pattern::first_mismatch(SEED_SENTINEL, 0, &got) {
+        let read_landed = pattern::first_mismatch(SEED_READ, at as u64, &got[at..at + 8]);
+        bail!(
+            "GPU memory at byte {at:#x} of the revoked buffer is not the sentinel the exporter \
+             wrote after the revocation{}",
+            if read_landed.is_none() {
+                ": it is the held read's data"
+            } else {
+                ""
+            }
+        );
+    }
+    ktap::pass()
+}
+
+/// (c) Pages spliced into a pipe are references like I/O: with P2PDMA pages vmsplice() is
+/// refused (GUP hands them to no one but the block layer); with GENERIC pages a revocation's
+/// fence waits until the pipe is drained.
+fn vmsplice_holds_revocation_until_drained() -> CaseResult {
+    fault::require_idle()?;
+    const LEN: u64 = 2 * MIB;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    let map = Map::shared(&node, idx, LEN as usize)?;
+    let (rx, tx) = pipe()?;
+    let iov = libc::iovec {
+        iov_base: map.ptr.cast(),
+        iov_len: PAGE as usize,
+    };
+    // SAFETY: one page of our live mapping; vmsplice only reads the iovec.
+    let n = unsafe { libc::vmsplice(tx.as_raw_fd(), &iov, 1, 0) };
+    let err = std::io::Error::last_os_error();
+    let mode = common::sysfs("mode")?;
+    if mode != "generic" {
+        ensure!(
+            n < 0 && err.raw_os_error() == Some(libc::EREMOTEIO),
+            "vmsplice of {mode} pages gave {n} ({err}), want EREMOTEIO"
+        );
+        return ktap::pass();
+    }
+    ensure!(n == PAGE as isize, "vmsplice of GENERIC pages gave {n} ({err})");
+    drop(tx);
+    let started = Instant::now();
+    let revoker = revoke_in_thread(bar_off);
+    wait_zapped(map.ptr)?;
+    std::thread::sleep(Duration::from_secs(1));
+    ensure!(
+        !revoker.is_finished(),
+        "the revocation returned while a pipe still held a page of the buffer"
+    );
+    let drained_at = started.elapsed();
+    let mut page = vec![0u8; PAGE as usize];
+    let got = rustix::io::read(&rx, &mut page)?;
+    ensure!(got == page.len(), "read {got} bytes from the pipe");
+    ensure!(
+        pattern::first_mismatch(SEED_SENTINEL, 0, &page).is_none(),
+        "the pipe did not carry the buffer's data"
+    );
+    fault::wait_until(
+        "the revocation to return once the pipe is drained",
+        Duration::from_secs(10),
+        || Ok(revoker.is_finished()),
+    )?;
+    join(revoker, "revoked")?.context("revoke")?;
+    let (_, invalidate, fences) = last_revoke()?;
+    ktap::diag(format_args!(
+        "pipe drained {drained_at:?} into the revocation; invalidation {invalidate:?}, fences \
+         {fences:?}"
+    ));
+    ensure!(
+        invalidate + fences + Duration::from_millis(50) >= drained_at,
+        "the fence signalled before the pipe was drained"
+    );
+    drop(map);
+    drop(node);
+    drop(dmabuf);
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// (d) A dma-buf the exporter handed out read-only gives a mapping that is and stays read-only,
+/// so NVMe reads into it fail; writes from it to the drive work.
+fn readonly_dmabuf_gives_readonly_mapping() -> CaseResult {
+    fault::require_idle()?;
+    const LEN: u64 = 2 * MIB;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = fgds::vgpu::alloc_with(&vgpu, LEN, fgds::vgpu::ALLOC_RDONLY)?;
+    vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    match Map::new(&node, idx, LEN as usize, libc::MAP_SHARED) {
+        Err(Errno::ACCESS) => {}
+        Err(e) => bail!("a writable mapping of a read-only dma-buf failed with {e}, want EACCES"),
+        Ok(_) => bail!("a read-only dma-buf gave a writable mapping"),
+    }
+    // SAFETY: a new read-only mapping at an address the kernel picks.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            LEN as usize,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            node.as_raw_fd(),
+            idx as libc::off_t,
+        )
+    };
+    ensure!(
+        ptr != libc::MAP_FAILED,
+        "a read-only mapping failed: {}",
+        std::io::Error::last_os_error()
+    );
+    let map = Map {
+        ptr: ptr.cast(),
+        len: LEN as usize,
+    };
+    // SAFETY: changes the protection of our own mapping only.
+    let r = unsafe { libc::mprotect(ptr, LEN as usize, libc::PROT_READ | libc::PROT_WRITE) };
+    ensure!(
+        r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EACCES),
+        "mprotect(PROT_WRITE) of the read-only mapping gave {r}, want EACCES"
+    );
+    let nvme = common::nvme(true)?;
+    let into = common::pread_raw(&nvme, map.ptr, LEN as usize, SCRATCH);
+    ensure!(
+        into == Err(Errno::FAULT),
+        "an NVMe read into the read-only mapping gave {into:?}, want EFAULT"
+    );
+    let n = common::pwrite_raw(&nvme, map.ptr, LEN as usize, SCRATCH)
+        .context("an NVMe write from the read-only mapping")?;
+    ensure!(n == LEN as usize, "short write {n}");
+    let mut back = AlignedBuf::new(LEN as usize)?;
+    nvme.read_exact_at(back.as_mut_slice(), SCRATCH)?;
+    ensure!(
+        pattern::first_mismatch(SEED_SENTINEL, 0, back.as_slice()).is_none(),
+        "the drive did not get the GPU memory's data"
+    );
+    ktap::pass()
+}
+
+/// Why PMD mappings cannot occur here, if they cannot: only GENERIC 2 MiB folios on 7.x
+/// kernels are mapped with PMDs.
+fn no_pmds_here() -> anyhow::Result<Option<String>> {
+    let mode = common::sysfs("mode")?;
+    let release = common::kernel_release()?;
+    Ok(if mode != "generic" {
+        Some(format!("no PMD mappings with {mode} pages (order-0 folios)"))
+    } else if !release.starts_with('7') {
+        Some(format!(
+            "no PMD mappings on {release}: fgds maps GENERIC folios with PTEs before 7.x"
+        ))
+    } else {
+        None
+    })
+}
+
+/// Makes the kernel try huge faults in every VMA while it lives (THP "always").
+struct ThpAlways(String);
+
+impl ThpAlways {
+    const PATH: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
+
+    fn set() -> anyhow::Result<ThpAlways> {
+        let text = std::fs::read_to_string(Self::PATH).context("read THP setting")?;
+        let old = text
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix('[')?.strip_suffix(']'))
+            .context("no current THP setting")?
+            .to_owned();
+        std::fs::write(Self::PATH, "always").context("set THP always")?;
+        Ok(ThpAlways(old))
+    }
+}
+
+impl Drop for ThpAlways {
+    fn drop(&mut self) {
+        let _ = std::fs::write(Self::PATH, &self.0);
+    }
+}
+
+/// A reserved, inaccessible range of address space, 2 MiB aligned, to map into with MAP_FIXED.
+struct Reserve {
+    base: *mut u8,
+    len: usize,
+}
+
+impl Reserve {
+    fn new(len: usize) -> anyhow::Result<Reserve> {
+        let total = len + 2 * MIB as usize;
+        // SAFETY: a new inaccessible anonymous mapping aliases nothing.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                total,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        ensure!(p != libc::MAP_FAILED, "reserve address space");
+        Ok(Reserve {
+            base: p.cast(),
+            len: total,
+        })
+    }
+
+    /// The first 2 MiB boundary in the reserve, plus `plus` bytes.
+    fn aligned(&self, plus: usize) -> *mut u8 {
+        let a = (self.base as usize).next_multiple_of(2 * MIB as usize);
+        (a + plus) as *mut u8
+    }
+}
+
+impl Drop for Reserve {
+    fn drop(&mut self) {
+        // SAFETY: the reserve and whatever was mapped into it with MAP_FIXED.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// Maps token `idx` of `node` at `addr` exactly.
+fn map_fixed(node: &File, idx: u64, len: usize, addr: *mut u8) -> anyhow::Result<Map> {
+    // SAFETY: `addr` lies in a reserve of ours, which MAP_FIXED replaces.
+    let p = unsafe {
+        libc::mmap(
+            addr.cast(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            node.as_raw_fd(),
+            idx as libc::off_t,
+        )
+    };
+    ensure!(
+        p == addr.cast(),
+        "mmap at {addr:?}: {}",
+        std::io::Error::last_os_error()
+    );
+    Ok(Map { ptr: p.cast(), len })
+}
+
+/// `FilePmdMapped` of the VMA that starts at `addr`, in KiB.
+fn file_pmd_mapped_kib(addr: *mut u8) -> anyhow::Result<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps")?;
+    let head = format!("{:x}-", addr as usize);
+    let mut in_vma = false;
+    for line in smaps.lines() {
+        if line.contains('-') && line.split_whitespace().count() >= 5 {
+            in_vma = line.starts_with(&head);
+            continue;
+        }
+        if in_vma && let Some(rest) = line.strip_prefix("FilePmdMapped:") {
+            return Ok(rest.trim().trim_end_matches("kB").trim().parse()?);
+        }
+    }
+    bail!("no VMA at {addr:?} in /proc/self/smaps")
+}
+
+/// Reads the NVMe pattern into the mapping and checks it through vgpu's CPU mapping.
+fn data_through(map: &Map, dmabuf: &OwnedFd, len: u64) -> anyhow::Result<()> {
+    let nvme = common::nvme(false)?;
+    let n = common::pread_raw(&nvme, map.ptr, len as usize, 0).context("pread")?;
+    ensure!(n == len as usize, "short read {n}");
+    common::check_nvme_pattern(
+        0,
+        &common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?,
+    )
+}
+
+/// (d) A buffer of two BAR runs at different 2 MiB phases, mapped where the second run's
+/// folios fall on 2 MiB boundaries but the first run's do not: the VMA is VM_MIXEDMAP (no PMDs
+/// as a whole), and a fault in the second run must not map a PMD there (the kernel would zap
+/// it as a special PMD and keep the folio's reference for ever).
+fn no_pmd_with_two_extents() -> CaseResult {
+    if let Some(why) = no_pmds_here()? {
+        return ktap::skip(why);
+    }
+    fault::require_idle()?;
+    const LEN: u64 = 8 * MIB;
+    let _thp = ThpAlways::set()?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, _) = fgds::vgpu::alloc_with(&vgpu, LEN, fgds::vgpu::ALLOC_SKEW)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    let reserve = Reserve::new(LEN as usize)?;
+    let map = map_fixed(&node, idx, LEN as usize, reserve.aligned(0))?;
+    // The buffer's second run starts 2 MiB in, at a folio boundary of the BAR.
+    // SAFETY: a byte of our live mapping.
+    let _ = unsafe { map.at(2 * MIB as usize).read_volatile() };
+    let pmd = file_pmd_mapped_kib(map.ptr)?;
+    ensure!(pmd == 0, "a VM_MIXEDMAP mapping got {pmd} KiB of PMDs");
+    data_through(&map, &dmabuf, LEN)?;
+    drop(map);
+    drop(reserve);
+    common::unreg(&node, idx)?;
+    drop(dmabuf);
+    fault::wait_counters_zero("after the case")?;
+    fault::wait_vgpu_buffers_gone("after the case: fgds let the buffer go")?;
+    ktap::pass()
+}
+
+/// (d) A mapping made where the buffer's folios are not 2 MiB aligned (VM_MIXEDMAP), then moved
+/// by mremap() to where they are: still no PMD.
+fn no_pmd_after_mremap() -> CaseResult {
+    if let Some(why) = no_pmds_here()? {
+        return ktap::skip(why);
+    }
+    fault::require_idle()?;
+    const LEN: u64 = 8 * MIB;
+    let _thp = ThpAlways::set()?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    // Where the buffer's first page would sit on a folio boundary, and one page off that.
+    let phase = (bar_off % (2 * MIB)) as usize;
+    let reserve = Reserve::new(2 * LEN as usize + 4 * MIB as usize)?;
+    let aligned = reserve.aligned(phase);
+    let off = reserve.aligned(phase + LEN as usize + 2 * MIB as usize + PAGE as usize);
+    let mut map = map_fixed(&node, idx, LEN as usize, off)?;
+    // SAFETY: moves our own mapping onto another part of our reserve.
+    let moved = unsafe {
+        libc::mremap(
+            map.ptr.cast(),
+            LEN as usize,
+            LEN as usize,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            aligned.cast::<libc::c_void>(),
+        )
+    };
+    ensure!(
+        moved == aligned.cast(),
+        "mremap: {}",
+        std::io::Error::last_os_error()
+    );
+    map.ptr = moved.cast();
+    // The first whole folio of the buffer.
+    let head = (2 * MIB as usize - phase) % (2 * MIB as usize);
+    // SAFETY: a byte of our live mapping.
+    let _ = unsafe { map.at(head).read_volatile() };
+    let pmd = file_pmd_mapped_kib(map.ptr)?;
+    ensure!(
+        pmd == 0,
+        "a VM_MIXEDMAP mapping moved by mremap got {pmd} KiB of PMDs"
+    );
+    data_through(&map, &dmabuf, LEN)?;
+    drop(map);
+    drop(reserve);
+    common::unreg(&node, idx)?;
+    drop(dmabuf);
+    fault::wait_counters_zero("after the case")?;
+    fault::wait_vgpu_buffers_gone("after the case: fgds let the buffer go")?;
+    ktap::pass()
+}
+
+/// The rig GPU's PCI address and its driver's sysfs directory.
+fn vgpu_driver() -> anyhow::Result<(String, std::path::PathBuf)> {
+    let bdf = common::vgpu_bdf()?;
+    let drv = std::fs::canonicalize(format!("/sys/bus/pci/devices/{bdf}/driver"))
+        .context("vgpu driver link")?;
+    Ok((bdf, drv))
+}
+
+/// Binds vgpu to the GPU again and waits for its node and fgds's.
+fn rebind_vgpu(bdf: &str, drv: &std::path::Path) -> anyhow::Result<()> {
+    std::fs::write(drv.join("bind"), bdf).context("bind vgpu")?;
+    fault::wait_until(
+        "vgpu and the fgds node after the rebind",
+        Duration::from_secs(20),
+        || Ok(common::node_path().is_ok() && common::vgpu_name().is_ok()),
+    )
+    .map(drop)
+}
+
+/// fgds's `revoke_timeout_ms`, set for as long as this lives.
+struct RevokeTimeout(String);
+
+impl RevokeTimeout {
+    const PATH: &str = "/sys/module/fgds/parameters/revoke_timeout_ms";
+
+    fn set(ms: u64) -> anyhow::Result<RevokeTimeout> {
+        let old = std::fs::read_to_string(Self::PATH)?.trim().to_owned();
+        std::fs::write(Self::PATH, ms.to_string())?;
+        Ok(RevokeTimeout(old))
+    }
+}
+
+impl Drop for RevokeTimeout {
+    fn drop(&mut self) {
+        let _ = std::fs::write(Self::PATH, &self.0);
+    }
+}
+
+/// (d) The GPU's driver unbinds while a read is held in flight into its memory, past fgds's
+/// `revoke_timeout_ms`: fgds logs who holds the pages and keeps waiting (the unbind does not
+/// return, the provider stays), and once the read ends everything is released and works
+/// after a rebind.
+fn teardown_past_its_deadline_keeps_waiting() -> CaseResult {
+    fault::require_idle()?;
+    const LEN: u64 = 4 * MIB;
+    let (bdf, drv) = vgpu_driver()?;
+    let mode = common::sysfs("mode")?;
+    let _timeout = RevokeTimeout::set(500)?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, _) = common::alloc(&vgpu, LEN)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    drop((vgpu, dmabuf));
+    let map = Map::shared(&node, idx, LEN as usize)?;
+    let (bp, reader) = held_read(&map, LEN as usize, 0)?;
+    let mark = fault::kernel_log_mark()?;
+    fault::host_log("fgds_revoke: unbind vgpu with a read held in flight, past revoke_timeout_ms")?;
+    let unbinder = {
+        let (bdf, drv) = (bdf.clone(), drv.clone());
+        std::thread::spawn(move || std::fs::write(drv.join("unbind"), bdf))
+    };
+    std::thread::sleep(HOLD);
+    let waiting = !unbinder.is_finished();
+    let mode_meanwhile = common::sysfs("mode")?;
+    let log = fault::kernel_log_since(mark)?;
+    bp.resume()?;
+    let read = join(reader, "read")?;
+    let unbound = join(unbinder, "unbound");
+    drop(map);
+    drop(node);
+    rebind_vgpu(&bdf, &drv)?;
+    unbound?.context("unbind vgpu")?;
+    ensure!(
+        waiting,
+        "the GPU's unbind returned while a read into its memory was in flight"
+    );
+    ensure!(
+        mode_meanwhile == mode,
+        "while the teardown waited, sysfs mode read {mode_meanwhile:?}, not {mode:?}"
+    );
+    fault::expect_logged(&log, "still referenced after")?;
+    ensure!(
+        read == Ok(LEN as usize),
+        "the held read ended with {read:?}"
+    );
+    fault::wait_counters_zero("after the rebind")?;
+    ensure!(
+        common::sysfs_u64("held")? == 0,
+        "fgds still holds pages after the teardown"
+    );
+    fault::data_check(4 * MIB, 36 * MIB).context("after the rebind")?;
+    ensure!(
+        common::sysfs("mode")? == mode,
+        "after the rebind fgds set up {} pages, not {mode}",
+        common::sysfs("mode")?
+    );
+    ktap::pass()
+}
+
+/// The PCI address of the second NVMe controller (the drive at `FGDS_NVME2`).
+fn nvme2_bdf() -> anyhow::Result<String> {
+    let dev = std::env::var("FGDS_NVME2").context("FGDS_NVME2 is not set")?;
+    let name = std::path::Path::new(&dev)
+        .file_name()
+        .context("FGDS_NVME2")?
+        .to_string_lossy()
+        .into_owned();
+    let ctrl = std::fs::canonicalize(format!("/sys/block/{name}/device/device"))
+        .with_context(|| format!("the PCI device of {name}"))?;
+    Ok(ctrl
+        .file_name()
+        .context("PCI device")?
+        .to_string_lossy()
+        .into_owned())
+}
+
+/// Shared counter slot: how long the other process's munmap took, in µs (+1, so 0 is unset).
+const MUNMAP_US: usize = 0;
+
+/// (e) The GPU's driver unbinds while a read is held in flight into its memory: meanwhile an
+/// unrelated PCI device (the second NVMe controller) unbinds and binds again, and another
+/// process's last munmap of a buffer of the same GPU returns, without waiting for the read.
+fn unbind_blocks_no_one_else() -> CaseResult {
+    fault::require_idle()?;
+    const LEN: u64 = 4 * MIB;
+    let (bdf, drv) = vgpu_driver()?;
+    let nvme2 = nvme2_bdf()?;
+    let nvme_drv = std::path::Path::new("/sys/bus/pci/drivers/nvme");
+    let counts = SharedCounter::new()?;
+    let mut other = Child::spawn(|parent| {
+        let node = common::open_node()?;
+        let vgpu = common::vgpu()?;
+        let (dmabuf, _) = common::alloc(&vgpu, MIB)?;
+        let idx = common::reg(&node, dmabuf.as_fd(), 0, MIB)?;
+        let map = Map::shared(&node, idx, MIB as usize)?;
+        // The mapping is all that keeps the registration: its munmap releases it.
+        common::unreg(&node, idx)?;
+        drop((node, vgpu, dmabuf));
+        parent.ready("mapped");
+        parent.wait_released();
+        let started = Instant::now();
+        drop(map);
+        counts.get(MUNMAP_US).store(
+            started.elapsed().as_micros() as u64 + 1,
+            Ordering::SeqCst,
+        );
+        Ok(())
+    })?;
+    let ready = other.wait_ready(Duration::from_secs(30))?;
+    ensure!(ready == "mapped", "the other process said {ready:?}");
+
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, _) = common::alloc(&vgpu, LEN)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    drop((vgpu, dmabuf));
+    let map = Map::shared(&node, idx, LEN as usize)?;
+    let (bp, reader) = held_read(&map, LEN as usize, 0)?;
+    fault::host_log("fgds_revoke: unbind vgpu with a read held; others go on meanwhile")?;
+    let unbinder = {
+        let (bdf, drv) = (bdf.clone(), drv.clone());
+        std::thread::spawn(move || std::fs::write(drv.join("unbind"), bdf))
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    let result = (|| -> anyhow::Result<()> {
+        ensure!(
+            !unbinder.is_finished(),
+            "the GPU's unbind returned while a read into its memory was in flight"
+        );
+        let started = Instant::now();
+        std::fs::write(nvme_drv.join("unbind"), &nvme2).context("unbind the second NVMe")?;
+        let unbind2 = started.elapsed();
+        std::fs::write(nvme_drv.join("bind"), &nvme2).context("bind the second NVMe")?;
+        let both = started.elapsed();
+        other.release();
+        fault::wait_until(
+            "the other process's munmap",
+            Duration::from_secs(10),
+            || Ok(counts.get(MUNMAP_US).load(Ordering::SeqCst) != 0),
+        )?;
+        let munmap = Duration::from_micros(counts.get(MUNMAP_US).load(Ordering::SeqCst) - 1);
+        ktap::diag(format_args!(
+            "while the GPU's unbind waited: the second NVMe unbound in {unbind2:?} and bound in \
+             {:?}; the other process's munmap took {munmap:?}",
+            both - unbind2
+        ));
+        ensure!(
+            both < Duration::from_secs(5),
+            "the second NVMe's unbind and bind took {both:?}"
+        );
+        ensure!(
+            munmap < Duration::from_secs(1),
+            "the other process's munmap took {munmap:?}"
+        );
+        ensure!(
+            !unbinder.is_finished(),
+            "the GPU's unbind returned before the held read ended"
+        );
+        Ok(())
+    })();
+    bp.resume()?;
+    let read = join(reader, "read")?;
+    let unbound = join(unbinder, "unbound");
+    let status = other.wait();
+    drop(map);
+    drop(node);
+    rebind_vgpu(&bdf, &drv)?;
+    unbound?.context("unbind vgpu")?;
+    result?;
+    ensure!(status? == 0, "the other process failed");
+    ensure!(
+        read == Ok(LEN as usize),
+        "the held read ended with {read:?}"
+    );
+    fault::wait_counters_zero("after the rebind")?;
+    fault::data_check(4 * MIB, 40 * MIB).context("after the rebind")?;
+    ktap::pass()
+}
+
+/// vgpu's `bar_bytes`, set for as long as this lives (0: as assigned).
+struct BarBytes;
+
+impl BarBytes {
+    const PATH: &str = "/sys/module/vgpu/parameters/bar_bytes";
+
+    fn set(bytes: u64) -> anyhow::Result<BarBytes> {
+        std::fs::write(Self::PATH, bytes.to_string()).context("set vgpu bar_bytes")?;
+        Ok(BarBytes)
+    }
+}
+
+impl Drop for BarBytes {
+    fn drop(&mut self) {
+        let _ = std::fs::write(Self::PATH, "0");
+    }
+}
+
+/// (d) The GPU's driver resizes its BAR when it binds, as GPU drivers do at probe: fgds reads
+/// the BAR again when it sets the provider up, and registrations up to the new end work.
+fn bar_resized_at_probe_is_read_again() -> CaseResult {
+    fault::require_idle()?;
+    let (bdf, drv) = vgpu_driver()?;
+    let full = common::sysfs_u64("bar_size")?;
+    let half = full / 2;
+    let resize = |bytes: u64| -> anyhow::Result<()> {
+        let _bar = BarBytes::set(bytes)?;
+        std::fs::write(drv.join("unbind"), &bdf).context("unbind vgpu")?;
+        rebind_vgpu(&bdf, &drv)
+    };
+    resize(half)?;
+    let result = (|| -> anyhow::Result<()> {
+        let node = common::open_node()?;
+        let seen = common::sysfs_u64("bar_size")?;
+        ensure!(
+            seen == half,
+            "vgpu resized the BAR to {half} bytes, fgds sees {seen}"
+        );
+        // The whole new BAR, read into at its end.
+        let vgpu = common::vgpu()?;
+        let (dmabuf, _) = common::alloc(&vgpu, half)?;
+        let idx = common::reg(&node, dmabuf.as_fd(), 0, half)?;
+        let map = Map::shared(&node, idx, half as usize)?;
+        let tail = half as usize - MIB as usize;
+        let nvme = common::nvme(false)?;
+        let n = common::pread_raw(&nvme, map.at(tail), MIB as usize, 0).context("pread")?;
+        ensure!(n == MIB as usize, "short read {n}");
+        common::check_nvme_pattern(
+            0,
+            &common::gpu_read(dmabuf.as_fd(), half as usize, tail, MIB as usize)?,
+        )?;
+        Ok(())
+    })();
+    // Back to the BAR the rig gave the GPU, whatever happened.
+    let restored = resize(full);
+    result?;
+    restored?;
+    fault::wait_counters_zero("after the case")?;
+    let _node = common::open_node()?;
+    ensure!(
+        common::sysfs_u64("bar_size")? == full,
+        "the BAR is not back to {full} bytes"
+    );
+    fault::data_check(4 * MIB, 44 * MIB).context("after the BAR was restored")?;
+    ktap::pass()
+}
+
+/// A pipe: (read end, write end).
+fn pipe() -> anyhow::Result<(OwnedFd, OwnedFd)> {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0; 2];
+    // SAFETY: pipe(2) writes two new descriptors into the array.
+    if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+        bail!("pipe: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors are new and owned by nothing else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
