@@ -323,10 +323,14 @@ fn vmsplice_holds_revocation_until_drained() -> CaseResult {
     let mut page = vec![0u8; PAGE as usize];
     let got = rustix::io::read(&rx, &mut page)?;
     ensure!(got == page.len(), "read {got} bytes from the pipe");
-    ensure!(
-        pattern::first_mismatch(SEED_SENTINEL, 0, &page).is_none(),
-        "the pipe did not carry the buffer's data"
-    );
+    if let Some(at) = pattern::first_mismatch(SEED_SENTINEL, 0, &page) {
+        let word = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+        bail!(
+            "the pipe did not carry the buffer's data: byte {at:#x}, word {:#018x}, want {:#018x}",
+            word(&page, at & !7),
+            pattern::word(SEED_SENTINEL, (at & !7) as u64)
+        );
+    }
     fault::wait_until(
         "the revocation to return once the pipe is drained",
         Duration::from_secs(10),
