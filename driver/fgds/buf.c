@@ -423,7 +423,7 @@ static int fgds_buf_publish(struct fgds_buf *buf, unsigned long gen)
 	buf->holding = true;
 	buf->owned = gpu->mode == FGDS_MODE_P2PDMA ||
 		     gpu->mode == FGDS_MODE_GENERIC;
-	buf->wp_notify = IS_ENABLED(FGDS_WRITENOTIFY_REFUSES_LONGTERM) &&
+	buf->wp_notify = FGDS_WRITENOTIFY_REFUSES_LONGTERM &&
 			 gpu->mode == FGDS_MODE_GENERIC;
 	buf->pmd_ok = fgds_buf_pmd_ok(buf, gpu->order);
 	list_add_tail(&buf->gpu_node, &gpu->bufs);

@@ -6,6 +6,7 @@
 #ifndef _FGDS_DRV_H
 #define _FGDS_DRV_H
 
+#include <linux/bits.h>
 #include <linux/cdev.h>
 #include <linux/device.h>
 #include <linux/dma-fence.h>
@@ -29,8 +30,8 @@
  * 2^31 pages (8 TiB), and every byte offset of the space fits a loff_t.
  */
 #define FGDS_VM_SHIFT		31
-#define FGDS_VM_IDS		(1U << 19)
-#define FGDS_MAX_BUF_PAGES	(1UL << FGDS_VM_SHIFT)
+#define FGDS_VM_IDS		BIT(19)
+#define FGDS_MAX_BUF_PAGES	BIT(FGDS_VM_SHIFT)
 
 /**
  * enum fgds_mode - where the struct pages over a GPU's BAR come from

@@ -345,15 +345,19 @@ static bool fgds_generic_allowed(struct fgds_gpu *gpu)
 {
 	struct pci_dev *culprit;
 	const char *why = fgds_generic_unsafe(gpu, &culprit);
+	const char *sep = culprit ? " " : "";
+	const char *name = culprit ? pci_name(culprit) : "";
 
 	if (!why)
 		return true;
-	pci_err(gpu->pdev,
-		"fgds: GENERIC pages refused: %s%s%s; %s\n", why,
-		culprit ? " " : "", culprit ? pci_name(culprit) : "",
-		IS_ENABLED(CONFIG_PCI_P2PDMA) ?
-		"load fgds with pages=auto or pages=p2pdma" :
-		"boot with iommu=pt (or without an IOMMU) and without swiotlb=force, put the GPU and the drive behind one PCIe switch, or use a kernel with CONFIG_PCI_P2PDMA");
+	if (IS_ENABLED(CONFIG_PCI_P2PDMA))
+		pci_err(gpu->pdev,
+			"fgds: GENERIC pages refused: %s%s%s; load fgds with pages=auto or pages=p2pdma\n",
+			why, sep, name);
+	else
+		pci_err(gpu->pdev,
+			"fgds: GENERIC pages refused: %s%s%s; boot with iommu=pt and without swiotlb=force, put the GPU and the drive behind one PCIe switch, or use a kernel with CONFIG_PCI_P2PDMA\n",
+			why, sep, name);
 	pci_dev_put(culprit);
 	return false;
 }
@@ -429,7 +433,7 @@ static int fgds_setup_own_pages(struct fgds_gpu *gpu, enum fgds_mode *mode,
 		return -EOPNOTSUPP;
 	*mode = FGDS_MODE_GENERIC;
 	*why = pages == FGDS_PAGES_GENERIC ? "pages=generic" :
-	       "the kernel has no CONFIG_PCI_P2PDMA; no IOMMU translation and a P2P path to every NVMe controller";
+	       "no CONFIG_PCI_P2PDMA, P2P path to every NVMe checked";
 	return fgds_setup_generic(gpu);
 }
 

@@ -160,6 +160,8 @@ static inline void fgds_vm_flags_clear(struct vm_area_struct *vma,
  */
 #if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 5, 0)
 #define FGDS_WRITENOTIFY_REFUSES_LONGTERM 1
+#else
+#define FGDS_WRITENOTIFY_REFUSES_LONGTERM 0
 #endif
 
 /*

@@ -21,10 +21,15 @@
  *    children after fork); a later CPU access to the mapped range raises
  *    SIGBUS, and a later read()/write()/io_uring request on it fails with
  *    EFAULT (the kernel cannot pin the pages any more);
- *  - waits for I/O already in flight into the buffer to finish, for at most
- *    the module parameter revoke_timeout_ms; only that I/O can still reach
- *    the memory, nothing started after the revocation can;
+ *  - if I/O already in flight still references the buffer's pages, adds a
+ *    fence to the dma-buf's reservation object that signals once it has
+ *    ended: the exporter gets the memory back only then, however long that
+ *    takes (no timer ends the wait);
  *  - then unmaps and unpins the dma-buf, as the dma-buf contract requires.
+ *
+ * GPU memory can never be pinned long-term through fgds (io_uring fixed
+ * buffers, IORING_REGISTER_BUFFERS, fail): such a pin would outlive a
+ * revocation.
  *
  * The token stays registered until FGDS_IOCTL_UNREG_BUFFER or close: mmap()
  * of a revoked token fails with ENODEV. Revocation is permanent; register the
@@ -52,20 +57,26 @@
  * - EFAULT: the argument cannot be read or @idx cannot be written.
  * - EINVAL: @flags is not 0; @dmabuf_fd is negative or not a dma-buf;
  *   @dmabuf_offset or @size is not PAGE_SIZE aligned; @size is 0 or larger
- *   than the GPU's BAR; @dmabuf_offset + @size is beyond the dma-buf; the
+ *   than 8 TiB; @dmabuf_offset + @size is beyond the dma-buf; the
  *   exporter's mapping contains an address outside the GPU's BAR or not page
  *   aligned (a dma-buf of system RAM, such as a udmabuf, always is).
  * - EOVERFLOW: @dmabuf_offset + @size overflows.
  * - EBADF: @dmabuf_fd is not an open file descriptor.
- * - EMFILE: the open file already holds max_buffers_per_file registrations.
- * - ENOSPC: the GPU already has max_bytes_per_gpu bytes registered.
- * - ENODEV: the GPU was removed, or has no driver bound.
- * - EOPNOTSUPP: fgds cannot make struct pages for this GPU safely (GENERIC
- *   mode under a translating IOMMU, or an architecture without ZONE_DEVICE
- *   support); the kernel log says why and what to change.
+ * - EMFILE: the open file already holds max_buffers_per_file registrations,
+ *   or the system half a million.
+ * - ENOSPC: the GPU would have more than max_bytes_per_gpu bytes registered,
+ *   or the calling user more than max_bytes_per_user on this GPU.
+ * - ENOMEM: the registration would take the calling user past its
+ *   RLIMIT_MEMLOCK (without CAP_IPC_LOCK; the kernel log says so), or the
+ *   kernel is out of memory.
+ * - ENODEV: the GPU was removed, or has no driver bound, or is being torn
+ *   down.
+ * - EOPNOTSUPP: fgds cannot make struct pages for this GPU safely (a kernel
+ *   without CONFIG_PCI_P2PDMA and a translating IOMMU, or no P2P path
+ *   between the GPU and an NVMe controller; pages=p2pdma without
+ *   CONFIG_PCI_P2PDMA); the kernel log says why and what to change.
  * - EBUSY: the BAR's memory type cannot be settled as write-combined or
  *   uncached (see the kernel log).
- * - ENOMEM: out of memory.
  * - EINTR or ERESTARTSYS semantics: a signal arrived while waiting for the
  *   dma-buf's reservation lock or fences; the call can be repeated.
  * - Any error the exporter returns from attach, pin or map (for example
@@ -106,6 +117,9 @@ struct fgds_ioctl_unreg_buffer {
  * write-combined. Errors:
  *
  * - EINVAL: not MAP_SHARED, or the length differs from the registered size.
+ * - EACCES: PROT_WRITE, and the dma-buf was opened read-only (such a
+ *   mapping can never become writable, and reads from a drive into it fail
+ *   with EFAULT).
  * - ENOENT: the offset is not a token of this open file.
  * - ENODEV: the registration was revoked, or the GPU was removed.
  *

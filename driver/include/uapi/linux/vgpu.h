@@ -9,6 +9,7 @@
 #ifndef _UAPI_LINUX_VGPU_H
 #define _UAPI_LINUX_VGPU_H
 
+#include <linux/const.h>
 #include <linux/ioctl.h>
 #include <linux/types.h>
 
@@ -130,7 +131,7 @@ struct vgpu_alloc {
  * The dma-buf file is opened ``O_RDONLY``: importers must not write to it,
  * and its own mmap cannot be writable.
  */
-#define VGPU_ALLOC_RDONLY	(1U << 0)
+#define VGPU_ALLOC_RDONLY	_BITUL(0)
 
 /**
  * define VGPU_ALLOC_SKEW - a buffer of two runs at different 2 MiB phases
@@ -143,6 +144,6 @@ struct vgpu_alloc {
  * @bar_offset + 2 MiB + @size). The DMA addresses and the CPU mapping
  * follow that layout.
  */
-#define VGPU_ALLOC_SKEW		(1U << 1)
+#define VGPU_ALLOC_SKEW		_BITUL(1)
 
 #endif /* _UAPI_LINUX_VGPU_H */
