@@ -303,6 +303,16 @@ pub fn wait(pid: libc::pid_t) -> anyhow::Result<i32> {
     })
 }
 
+/// Reads one byte of a mapping in a child; returns its wait status (128 + SIGBUS on SIGBUS).
+/// Unlike [`touch_in_child`], it changes nothing where the mapping still works.
+pub fn load_in_child(ptr: *const u8) -> anyhow::Result<i32> {
+    in_child(|| {
+        // SAFETY: a deliberate access to a possibly revoked mapping, in a throwaway child.
+        let _ = unsafe { std::ptr::read_volatile(ptr) };
+        0
+    })
+}
+
 /// Touches one byte of a mapping in a child; returns its wait status (128 + SIGBUS on SIGBUS).
 pub fn touch_in_child(ptr: *mut u8) -> anyhow::Result<i32> {
     in_child(|| {

@@ -166,12 +166,13 @@ fn revoke_in_thread(bar_off: u64) -> JoinHandle<anyhow::Result<()>> {
     std::thread::spawn(move || common::revoke(bar_off))
 }
 
-/// Waits until a CPU access to `ptr` raises SIGBUS: the buffer's mappings are zapped.
+/// Waits until a CPU load from `ptr` raises SIGBUS: the buffer's mappings are zapped. Only
+/// loads: a store that came before the zap would change the memory under test.
 fn wait_zapped(ptr: *mut u8) -> anyhow::Result<()> {
     fault::wait_until(
         "the mapping to be zapped (SIGBUS on access)",
         Duration::from_secs(10),
-        || Ok(common::touch_in_child(ptr)? == 128 + libc::SIGBUS),
+        || Ok(common::load_in_child(ptr)? == 128 + libc::SIGBUS),
     )
     .map(drop)
 }
