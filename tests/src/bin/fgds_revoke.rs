@@ -515,21 +515,61 @@ fn map_fixed(node: &File, idx: u64, len: usize, addr: *mut u8) -> anyhow::Result
     Ok(Map { ptr: p.cast(), len })
 }
 
-/// `FilePmdMapped` of the VMA that starts at `addr`, in KiB.
-fn file_pmd_mapped_kib(addr: *mut u8) -> anyhow::Result<u64> {
-    let smaps = std::fs::read_to_string("/proc/self/smaps")?;
-    let head = format!("{:x}-", addr as usize);
-    let mut in_vma = false;
-    for line in smaps.lines() {
-        if line.contains('-') && line.split_whitespace().count() >= 5 {
-            in_vma = line.starts_with(&head);
-            continue;
-        }
-        if in_vma && let Some(rest) = line.strip_prefix("FilePmdMapped:") {
-            return Ok(rest.trim().trim_end_matches("kB").trim().parse()?);
-        }
-    }
-    bail!("no VMA at {addr:?} in /proc/self/smaps")
+/// `struct pm_scan_arg` of `PAGEMAP_SCAN` (include/uapi/linux/fs.h).
+#[repr(C)]
+#[derive(Default)]
+struct PmScanArg {
+    size: u64,
+    flags: u64,
+    start: u64,
+    end: u64,
+    walk_end: u64,
+    vec: u64,
+    vec_len: u64,
+    max_pages: u64,
+    category_inverted: u64,
+    category_mask: u64,
+    category_anyof_mask: u64,
+    return_mask: u64,
+}
+
+/// `struct page_region`.
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct PageRegion {
+    start: u64,
+    end: u64,
+    categories: u64,
+}
+
+const PAGE_IS_PRESENT: u64 = 1 << 3;
+const PAGE_IS_HUGE: u64 = 1 << 6;
+const PAGEMAP_SCAN: rustix::ioctl::Opcode =
+    rustix::ioctl::opcode::read_write::<PmScanArg>(b'f', 16);
+
+/// Bytes of `[addr, addr + len)` mapped with huge PMDs, as `PAGEMAP_SCAN` on
+/// /proc/self/pagemap reports them (smaps' `FilePmdMapped` leaves device pages out).
+fn pmd_mapped_bytes(addr: *mut u8, len: usize) -> anyhow::Result<u64> {
+    let pagemap = File::open("/proc/self/pagemap").context("open /proc/self/pagemap")?;
+    let mut regions = [PageRegion::default(); 64];
+    let mut arg = PmScanArg {
+        size: std::mem::size_of::<PmScanArg>() as u64,
+        start: addr as u64,
+        end: addr as u64 + len as u64,
+        vec: regions.as_mut_ptr() as u64,
+        vec_len: regions.len() as u64,
+        category_mask: PAGE_IS_PRESENT | PAGE_IS_HUGE,
+        return_mask: PAGE_IS_HUGE,
+        ..PmScanArg::default()
+    };
+    // SAFETY: `arg` is struct pm_scan_arg, its `vec` points at `regions`, which outlives the
+    // call and has `vec_len` entries; the request number encodes the argument's size.
+    let n = unsafe { libc::ioctl(pagemap.as_raw_fd(), PAGEMAP_SCAN as _, &mut arg) };
+    ensure!(n >= 0, "PAGEMAP_SCAN: {}", std::io::Error::last_os_error());
+    Ok(regions[..n as usize]
+        .iter()
+        .map(|r| r.end - r.start)
+        .sum())
 }
 
 /// Reads the NVMe pattern into the mapping and checks it through vgpu's CPU mapping.
@@ -563,8 +603,8 @@ fn no_pmd_with_two_extents() -> CaseResult {
     // The buffer's second run starts 2 MiB in, at a folio boundary of the BAR.
     // SAFETY: a byte of our live mapping.
     let _ = unsafe { map.at(2 * MIB as usize).read_volatile() };
-    let pmd = file_pmd_mapped_kib(map.ptr)?;
-    ensure!(pmd == 0, "a VM_MIXEDMAP mapping got {pmd} KiB of PMDs");
+    let pmd = pmd_mapped_bytes(map.ptr, LEN as usize)?;
+    ensure!(pmd == 0, "a VM_MIXEDMAP mapping got {pmd} bytes of PMDs");
     data_through(&map, &dmabuf, LEN)?;
     drop(map);
     drop(reserve);
@@ -614,11 +654,21 @@ fn no_pmd_after_mremap() -> CaseResult {
     let head = (2 * MIB as usize - phase) % (2 * MIB as usize);
     // SAFETY: a byte of our live mapping.
     let _ = unsafe { map.at(head).read_volatile() };
-    let pmd = file_pmd_mapped_kib(map.ptr)?;
+    let pmd = pmd_mapped_bytes(map.ptr, LEN as usize)?;
     ensure!(
         pmd == 0,
-        "a VM_MIXEDMAP mapping moved by mremap got {pmd} KiB of PMDs"
+        "a VM_MIXEDMAP mapping moved by mremap got {pmd} bytes of PMDs"
     );
+    // Control: where fgds places the mapping itself, the same folio is mapped with a PMD.
+    let pmds = Map::shared(&node, idx, LEN as usize)?;
+    // SAFETY: a byte of our live mapping.
+    let _ = unsafe { pmds.at(head).read_volatile() };
+    let control = pmd_mapped_bytes(pmds.ptr, LEN as usize)?;
+    ensure!(
+        control >= 2 * MIB,
+        "the control mapping got {control} bytes of PMDs: PAGEMAP_SCAN does not see them"
+    );
+    drop(pmds);
     data_through(&map, &dmabuf, LEN)?;
     drop(map);
     drop(reserve);
