@@ -310,13 +310,18 @@ static int vgpu_range_alloc(struct vgpu_device *vgpu, struct vgpu_buffer *buf)
 	 * whether someone still holds one.
 	 */
 	buf->p2p_idle_refs = page_ref_count(virt_to_page(p2p));
-	for (i = 0; i < buf->range_size; i += PAGE_SIZE)
-		WARN_ONCE(page_ref_count(virt_to_page(p2p + i)) !=
-			  buf->p2p_idle_refs,
+	for (i = 0; i < buf->range_size; i += PAGE_SIZE) {
+		struct page *page = virt_to_page(p2p + i);
+
+		WARN_ONCE(page_ref_count(page) != buf->p2p_idle_refs,
 			  "vgpu%d: free P2PDMA page at BAR2 offset %#llx has refcount %d, others %d: someone kept a reference to a released buffer\n",
-			  vgpu->id, buf->bar_offset + i,
-			  page_ref_count(virt_to_page(p2p + i)),
+			  vgpu->id, buf->bar_offset + i, page_ref_count(page),
 			  buf->p2p_idle_refs);
+		/* The pages are vgpu's: an importer must not claim them. */
+		WARN_ONCE(READ_ONCE(page->mapping),
+			  "vgpu%d: free P2PDMA page at BAR2 offset %#llx has a ->mapping: an importer wrote it\n",
+			  vgpu->id, buf->bar_offset + i);
+	}
 	return 0;
 }
 

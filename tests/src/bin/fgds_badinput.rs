@@ -3,6 +3,8 @@
 
 #[path = "../fgds_common.rs"]
 mod common;
+#[path = "../fgds_fault_common.rs"]
+mod fault;
 
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 
@@ -50,6 +52,14 @@ fn main() {
             Case {
                 name: "limit_bytes_per_gpu_enospc",
                 run: limit_per_gpu,
+            },
+            Case {
+                name: "limit_memlock_enomem",
+                run: limit_memlock,
+            },
+            Case {
+                name: "limit_bytes_per_user_enospc",
+                run: limit_per_user,
             },
             Case {
                 name: "unsafe_setup_refused",
@@ -410,6 +420,107 @@ fn limit_per_gpu() -> CaseResult {
     common::reg(&node, dmabuf.as_fd(), 0, MIB).context("REG up to the limit")?;
     common::unreg(&node, a)?;
     common::reg(&node, dmabuf.as_fd(), 0, 2 * MIB).context("REG after UNREG")?;
+    ktap::pass()
+}
+
+/// The node and `len` bytes of GPU memory, opened as root; then this process's RLIMIT_MEMLOCK
+/// becomes `memlock` bytes (None: unlimited) and it becomes `uid`, losing CAP_IPC_LOCK with
+/// every other capability. For forked children only.
+fn become_user(
+    uid: libc::uid_t,
+    memlock: Option<u64>,
+    len: u64,
+) -> anyhow::Result<(std::fs::File, OwnedFd)> {
+    let node = common::open_node()?;
+    let (dmabuf, _) = common::alloc(&common::vgpu()?, len)?;
+    let limit = memlock.unwrap_or(libc::RLIM_INFINITY);
+    let rl = libc::rlimit {
+        rlim_cur: limit,
+        rlim_max: limit,
+    };
+    // SAFETY: plain system calls on this process's own limits and credentials.
+    let failed = unsafe {
+        libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl) != 0
+            || libc::setgid(uid) != 0
+            || libc::setuid(uid) != 0
+    };
+    if failed {
+        bail!(
+            "cannot become uid {uid}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok((node, dmabuf))
+}
+
+/// Without CAP_IPC_LOCK, registered bytes count against RLIMIT_MEMLOCK (`ENOMEM` past it), as
+/// io_uring and RDMA charge pinned memory; the charge goes with the registration.
+fn limit_memlock() -> CaseResult {
+    let mut child = fault::Child::spawn(|parent| {
+        let (node, dmabuf) = become_user(1000, Some(3 * MIB), 4 * MIB)?;
+        let reg = |len| common::reg(&node, dmabuf.as_fd(), 0, len);
+        expect(
+            "4 MiB over a 3 MiB RLIMIT_MEMLOCK",
+            reg(4 * MIB),
+            Errno::NOMEM,
+        )?;
+        let a = reg(2 * MIB).context("2 MiB under the limit")?;
+        expect("2 more MiB", reg(2 * MIB), Errno::NOMEM)?;
+        common::unreg(&node, a)?;
+        reg(3 * MIB).context("3 MiB once the first registration went")?;
+        parent.ready("done");
+        Ok(())
+    })?;
+    let said = child.wait_ready(std::time::Duration::from_secs(30));
+    let status = child.wait()?;
+    ensure!(
+        said? == "done" && status == 0,
+        "the child ended with {status}"
+    );
+    ktap::pass()
+}
+
+/// One user cannot take all of a GPU: `max_bytes_per_user` bounds what one uid registers on
+/// it (`ENOSPC` past it, over all its open files), while another uid still can.
+fn limit_per_user() -> CaseResult {
+    let _p = Param::set("max_bytes_per_user", &(3 * MIB).to_string())?;
+    let mut first = fault::Child::spawn(|parent| {
+        let (node, dmabuf) = become_user(1000, None, 4 * MIB)?;
+        common::reg(&node, dmabuf.as_fd(), 0, 2 * MIB).context("2 MiB")?;
+        expect(
+            "2 more MiB",
+            common::reg(&node, dmabuf.as_fd(), 0, 2 * MIB),
+            Errno::NOSPC,
+        )?;
+        parent.ready("holding");
+        parent.wait_released();
+        Ok(())
+    })?;
+    let said = first.wait_ready(std::time::Duration::from_secs(30));
+    // While the first user holds its share, another user still registers.
+    let second = said.is_ok().then(|| {
+        let mut child = fault::Child::spawn(|parent| {
+            let (node, dmabuf) = become_user(1001, None, 2 * MIB)?;
+            common::reg(&node, dmabuf.as_fd(), 0, 2 * MIB)
+                .context("another user, while the first holds its share")?;
+            parent.ready("done");
+            Ok(())
+        })?;
+        let said = child.wait_ready(std::time::Duration::from_secs(30));
+        let status = child.wait()?;
+        anyhow::Ok((said?, status))
+    });
+    first.release();
+    let status = first.wait()?;
+    ensure!(
+        said? == "holding" && status == 0,
+        "the first user's child ended with {status}"
+    );
+    let (said, status) = second.context("no second child")??;
+    ensure!(
+        said == "done" && status == 0,
+        "the second user's child ended with {status}"
+    );
     ktap::pass()
 }
 

@@ -291,13 +291,10 @@ fn io_uring_registered_buffers_refused() -> CaseResult {
         ),
     }
     let off = 21 * MIB;
-    let sqe = io_uring::opcode::Read::new(
-        io_uring::types::Fd(nvme.as_raw_fd()),
-        map.ptr,
-        len as u32,
-    )
-    .offset(off)
-    .build();
+    let sqe =
+        io_uring::opcode::Read::new(io_uring::types::Fd(nvme.as_raw_fd()), map.ptr, len as u32)
+            .offset(off)
+            .build();
     // SAFETY: the mapping stays until completion, waited for here.
     unsafe { ring.submission().push(&sqe) }.map_err(|_| anyhow::anyhow!("queue full"))?;
     ring.submit_and_wait(1)?;

@@ -310,7 +310,10 @@ fn vmsplice_holds_revocation_until_drained() -> CaseResult {
         );
         return ktap::pass();
     }
-    ensure!(n == PAGE as isize, "vmsplice of GENERIC pages gave {n} ({err})");
+    ensure!(
+        n == PAGE as isize,
+        "vmsplice of GENERIC pages gave {n} ({err})"
+    );
     drop(tx);
     let started = Instant::now();
     let revoker = revoke_in_thread(bar_off);
@@ -419,7 +422,9 @@ fn no_pmds_here() -> anyhow::Result<Option<String>> {
     let mode = common::sysfs("mode")?;
     let release = common::kernel_release()?;
     Ok(if mode != "generic" {
-        Some(format!("no PMD mappings with {mode} pages (order-0 folios)"))
+        Some(format!(
+            "no PMD mappings with {mode} pages (order-0 folios)"
+        ))
     } else if !release.starts_with('7') {
         Some(format!(
             "no PMD mappings on {release}: fgds maps GENERIC folios with PTEs before 7.x"
@@ -566,10 +571,7 @@ fn pmd_mapped_bytes(addr: *mut u8, len: usize) -> anyhow::Result<u64> {
     // call and has `vec_len` entries; the request number encodes the argument's size.
     let n = unsafe { libc::ioctl(pagemap.as_raw_fd(), PAGEMAP_SCAN as _, &mut arg) };
     ensure!(n >= 0, "PAGEMAP_SCAN: {}", std::io::Error::last_os_error());
-    Ok(regions[..n as usize]
-        .iter()
-        .map(|r| r.end - r.start)
-        .sum())
+    Ok(regions[..n as usize].iter().map(|r| r.end - r.start).sum())
 }
 
 /// Reads the NVMe pattern into the mapping and checks it through vgpu's CPU mapping.
@@ -821,10 +823,9 @@ fn unbind_blocks_no_one_else() -> CaseResult {
         parent.wait_released();
         let started = Instant::now();
         drop(map);
-        counts.get(MUNMAP_US).store(
-            started.elapsed().as_micros() as u64 + 1,
-            Ordering::SeqCst,
-        );
+        counts
+            .get(MUNMAP_US)
+            .store(started.elapsed().as_micros() as u64 + 1, Ordering::SeqCst);
         Ok(())
     })?;
     let ready = other.wait_ready(Duration::from_secs(30))?;

@@ -113,7 +113,11 @@ fn alloc_rejects_bad_input() -> CaseResult {
     for (size, flags, what) in [
         (4096, 1 << 2, "an unknown flag"),
         (4096, vgpu::ALLOC_SKEW, "a skewed buffer under 4 MiB"),
-        ((4 << 20) + 4096, vgpu::ALLOC_SKEW, "a skewed buffer not a multiple of 2 MiB"),
+        (
+            (4 << 20) + 4096,
+            vgpu::ALLOC_SKEW,
+            "a skewed buffer not a multiple of 2 MiB",
+        ),
         (0, 0, "size 0"),
         (4097, 0, "unaligned size"),
         (bar + 4096, 0, "larger than the BAR"),
