@@ -206,6 +206,8 @@ fn read_range_again(bar_off: u64, len: u64) -> anyhow::Result<Vec<u8>> {
 fn held_read_never_lands_after_revocation() -> CaseResult {
     fault::require_idle()?;
     const LEN: u64 = 4 * MIB;
+    // A deadline shorter than the hold: no timer may give the memory back.
+    let _timeout = RevokeTimeout::set(500)?;
     write_scratch(SEED_READ, LEN as usize)?;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
@@ -288,6 +290,7 @@ fn held_read_never_lands_after_revocation() -> CaseResult {
 fn vmsplice_holds_revocation_until_drained() -> CaseResult {
     fault::require_idle()?;
     const LEN: u64 = 2 * MIB;
+    let _timeout = RevokeTimeout::set(500)?;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
