@@ -148,9 +148,10 @@ static void fgds_pages_unclaim(struct fgds_gpu *gpu)
 
 /*
  * Returns the type of the first ZONE_DEVICE pagemap found over the BAR, or -1
- * when there is none. Pagemaps are at least subsection (2 MiB) aligned.
+ * when there is none, and in *mine whether fgds created it (see
+ * fgds_mark_p2pdma()). Pagemaps are at least subsection (2 MiB) aligned.
  */
-static int fgds_bar_pgmap_type(struct fgds_gpu *gpu)
+static int fgds_bar_pgmap_type(struct fgds_gpu *gpu, bool *mine)
 {
 	unsigned long pfn = fgds_bar_pfn(gpu);
 	unsigned long end = pfn + PHYS_PFN(gpu->geo.len);
@@ -163,6 +164,7 @@ static int fgds_bar_pgmap_type(struct fgds_gpu *gpu)
 		if (!pgmap)
 			continue;
 		type = pgmap->type;
+		*mine = pgmap->owner == gpu->pdev;
 		put_dev_pagemap(pgmap);
 		return type;
 	}
@@ -197,6 +199,65 @@ static void fgds_unreserve_wc(struct fgds_gpu *gpu)
 
 #ifdef CONFIG_PCI_P2PDMA
 /*
+ * Marks the P2PDMA pagemap fgds just created over the BAR as fgds's: its
+ * ->owner (which the kernel reads only for device-private and coherent
+ * memory) becomes the GPU's pci_dev. Where the device already had P2PDMA
+ * state, the pagemap cannot be removed until the GPU's driver unbinds; if
+ * fgds is unloaded and loaded again meanwhile, the mark tells it that these
+ * pages are its own, not the exporter's.
+ */
+static void fgds_mark_p2pdma(struct fgds_gpu *gpu)
+{
+	struct dev_pagemap *pgmap = fgds_get_dev_pagemap(fgds_bar_pfn(gpu));
+
+	if (WARN_ON_ONCE(!pgmap))
+		return;
+	if (pgmap->type == MEMORY_DEVICE_PCI_P2PDMA && !pgmap->owner)
+		pgmap->owner = gpu->pdev;
+	put_dev_pagemap(pgmap);
+}
+
+/*
+ * Claims the whole BAR from the P2PDMA genpool, so that no other allocator
+ * can hand its memory out.
+ */
+static int fgds_claim_p2pdma(struct fgds_gpu *gpu)
+{
+	struct pci_dev *pdev = gpu->pdev;
+	void *claim = pci_alloc_p2pmem(pdev, gpu->geo.len);
+
+	if (claim != phys_to_virt(gpu->geo.start)) {
+		pci_err(pdev,
+			"fgds: cannot claim all of BAR %d from the P2PDMA pool (another user holds part of it); unload that user and retry\n",
+			gpu->geo.bar);
+		if (claim)
+			pci_free_p2pmem(pdev, claim, gpu->geo.len);
+		return -EBUSY;
+	}
+	gpu->p2p_claim = claim;
+	return 0;
+}
+
+/*
+ * The GPU still has the P2PDMA pages an earlier fgds created (its driver did
+ * not unbind since): claim them again.
+ */
+static int fgds_reuse_p2pdma(struct fgds_gpu *gpu)
+{
+	int ret = fgds_reserve_wc(gpu);
+
+	if (ret)
+		return ret;
+	ret = fgds_claim_p2pdma(gpu);
+	if (ret) {
+		fgds_unreserve_wc(gpu);
+		return ret;
+	}
+	gpu->p2p_group = NULL;
+	return 0;
+}
+
+/*
  * Creating P2PDMA pages puts devres on the GPU's device, so it is only done
  * while a driver is bound (the caller checks): devres present at probe makes
  * the driver core refuse to bind. If fgds created the device's P2PDMA state,
@@ -208,7 +269,6 @@ static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
 {
 	struct pci_dev *pdev = gpu->pdev;
 	void *group = NULL;
-	void *claim;
 	int ret;
 
 	ret = fgds_reserve_wc(gpu);
@@ -231,18 +291,10 @@ static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
 		goto err_group;
 	}
 
-	claim = pci_alloc_p2pmem(pdev, gpu->geo.len);
-	if (claim != phys_to_virt(gpu->geo.start)) {
-		pci_err(pdev,
-			"fgds: cannot claim all of BAR %d from the P2PDMA pool (another user holds part of it); unload that user and retry\n",
-			gpu->geo.bar);
-		if (claim)
-			pci_free_p2pmem(pdev, claim, gpu->geo.len);
-		ret = -EBUSY;
+	fgds_mark_p2pdma(gpu);
+	ret = fgds_claim_p2pdma(gpu);
+	if (ret)
 		goto err_group;
-	}
-
-	gpu->p2p_claim = claim;
 	gpu->p2p_group = group;
 	return 0;
 
@@ -267,6 +319,11 @@ static void fgds_teardown_p2pdma(struct fgds_gpu *gpu)
 }
 #else
 static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
+{
+	return -EOPNOTSUPP;
+}
+
+static int fgds_reuse_p2pdma(struct fgds_gpu *gpu)
 {
 	return -EOPNOTSUPP;
 }
@@ -505,6 +562,7 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 {
 	enum fgds_mode mode = FGDS_MODE_NONE;
 	const char *why = "the exporter registered them";
+	bool mine = false;
 	int type, ret;
 
 	lockdep_assert_held(&gpu->lock);
@@ -520,8 +578,12 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 	if (ret)
 		return ret;
 
-	type = fgds_bar_pgmap_type(gpu);
-	if (type == MEMORY_DEVICE_PCI_P2PDMA) {
+	type = fgds_bar_pgmap_type(gpu, &mine);
+	if (type == MEMORY_DEVICE_PCI_P2PDMA && mine) {
+		mode = FGDS_MODE_P2PDMA;
+		why = "created by an earlier fgds since the GPU's driver bound";
+		ret = fgds_reuse_p2pdma(gpu);
+	} else if (type == MEMORY_DEVICE_PCI_P2PDMA) {
 		mode = FGDS_MODE_EXPORTER_P2PDMA;
 		ret = 0;
 	} else if (type >= 0) {
