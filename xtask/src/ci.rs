@@ -71,6 +71,7 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
     } else {
         opts.kernels.iter().map(|k| (k.as_str(), "auto")).collect()
     };
+    let mut skips = Vec::new();
     for (kernel, pages) in runs {
         let vm_opts = vm::Options {
             fgds_pages: pages.to_owned(),
@@ -78,7 +79,10 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
         };
         outcomes.extend(or_failure(
             &format!("{kernel}::run"),
-            vm::run_kernel(&vm_opts).map(|run| run.outcomes),
+            vm::run_kernel(&vm_opts).map(|run| {
+                skips.push((run.config, run.expected_skips));
+                run.outcomes
+            }),
         ));
     }
     eprintln!("ci: rig self-test");
@@ -87,6 +91,7 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
         selftest::run("debian:6.12"),
     ));
     let passed = report::print(outcomes);
+    report::print_skips(&skips);
     Ok(if passed {
         ExitCode::SUCCESS
     } else {

@@ -134,12 +134,10 @@ fn transfer_through_a_fixed_buffer() -> CaseResult {
                 Error::Io { source, .. } => source.raw_os_error(),
                 _ => None,
             };
-            let why = match errno {
-                Some(libc::EREMOTEIO) => "this kernel does not pin P2PDMA pages long-term",
-                Some(libc::EOPNOTSUPP) => "this kernel's io_uring takes no file-backed memory",
-                _ => bail!("registering the buffer as a fixed buffer: {err}"),
+            return match errno.and_then(guest::fixed_buffer_refusal) {
+                Some(reason) => ktap::skip(reason),
+                None => bail!("registering the buffer as a fixed buffer: {err}"),
             };
-            return ktap::skip(format_args!("{why}: {err}"));
         }
         let second = transfer.register_buffer(&buffer);
         ensure!(

@@ -74,7 +74,7 @@ fn reader(parent: &mut fault::Parent, counts: &SharedCounter, fixed: bool) -> an
         // SAFETY: the iovec covers our live mapping, which outlives the ring (the process is
         // killed with both).
         if let Err(e) = unsafe { ring.submitter().register_buffers(&[iov]) } {
-            parent.ready(&format!("unsupported: {e}"));
+            parent.ready(&format!("refused: {}", e.raw_os_error().unwrap_or(0)));
             parent.wait_released();
             return Ok(());
         }
@@ -150,14 +150,18 @@ fn sigkill_case(fixed: bool) -> CaseResult {
             return Err(e);
         }
     };
-    if let Some(why) = ready.strip_prefix("unsupported: ") {
+    if let Some(errno) = ready.strip_prefix("refused: ") {
         child.release();
         let _ = child.wait()?;
         fault::wait_counters_zero("after the child exited")?;
-        return ktap::skip(format!(
-            "io_uring refuses fgds mappings as fixed buffers on this kernel ({why}; on P2PDMA \
-             kernels GUP refuses long-term pins of P2PDMA pages)"
-        ));
+        let errno = errno.parse().context("the child's errno")?;
+        return match fgds_tests::guest::fixed_buffer_refusal(errno) {
+            Some(reason) => ktap::skip(reason),
+            None => bail!(
+                "the child's IORING_REGISTER_BUFFERS of the fgds mapping failed with {}",
+                fgds_tests::errno::name(errno)
+            ),
+        };
     }
     // Let the reads run: at least two full rounds, so that every slot has been resubmitted.
     let started = Instant::now();
@@ -251,9 +255,7 @@ fn close_under_fixed_buffer() -> CaseResult {
     };
     // SAFETY: the iovec covers our live mapping; the ring is dropped before the test returns.
     if let Err(e) = unsafe { ring.submitter().register_buffers(&[iov]) } {
-        return ktap::skip(format!(
-            "io_uring refuses fgds mappings as fixed buffers on this kernel ({e})"
-        ));
+        return fgds_tests::guest::fixed_buffer_refused(&e);
     }
     let map_ptr = map.ptr;
     let read_fixed = |ring: &mut IoUring, nvme_off: u64| -> anyhow::Result<i32> {
