@@ -108,8 +108,6 @@ pub struct RunConfig {
 pub enum When {
     /// The kernel's series is X.Y.
     Series(u32, u32),
-    /// The kernel's series is X.Y or later.
-    SeriesFrom(u32, u32),
     /// The kernel's config has this option (y or m).
     Has(&'static str),
     /// The kernel's config lacks at least one of these options.
@@ -237,17 +235,6 @@ pub const SKIPS: &[Skip] = &[
     },
     Skip {
         cases: &[
-            "fgds_fault_kill::sigkill_with_32_fixed_buffer_reads_in_flight",
-            "fgds_fault_kill::close_under_io_uring_fixed_buffer_keeps_dmabuf_pinned",
-        ],
-        when: &[When::SeriesFrom(7, 0), When::Mode(&[Mode::Generic])],
-        reason: "EREMOTEIO",
-        why: "on 7.x the long-term pin of these GENERIC-page mappings is refused (4 MiB and \
-              64 MiB buffers mapped with PMDs) while fgds_data's 2 MiB one is pinned; issue 16 \
-              makes every fixed buffer over fgds memory fail",
-    },
-    Skip {
-        cases: &[
             "fgds_badinput::reg_bad_arguments",
             "fgds_badinput::unreg_bad_arguments",
             "fgds_badinput::mmap_bad_arguments",
@@ -330,7 +317,6 @@ impl RunConfig {
     fn holds(&self, when: &When) -> bool {
         match *when {
             When::Series(major, minor) => self.series == (major, minor),
-            When::SeriesFrom(major, minor) => self.series >= (major, minor),
             When::Has(option) => self.configs.contains(option),
             When::LacksAny(options) => options.iter().any(|o| !self.configs.contains(*o)),
             When::Pages(pages) => self.pages == pages,
