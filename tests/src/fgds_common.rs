@@ -74,12 +74,7 @@ pub fn open_node() -> anyhow::Result<File> {
 }
 
 pub fn vgpu() -> anyhow::Result<File> {
-    let name = vgpu_name()?;
-    let n = name
-        .trim_start_matches("vgpu")
-        .parse()
-        .context("vgpu number")?;
-    Ok(fgds::vgpu::open(n)?)
+    fgds_tests::guest::vgpu_open()
 }
 
 /// A vgpu buffer: its dma-buf and its offset in BAR2.

@@ -105,6 +105,15 @@ pub fn vgpu_name() -> anyhow::Result<String> {
     names.into_iter().next().context("no vgpu device bound")
 }
 
+/// Opens the rig's vgpu instance (`/dev/vgpuN` of [`vgpu_name`]).
+pub fn vgpu_open() -> anyhow::Result<File> {
+    let n = vgpu_name()?
+        .trim_start_matches("vgpu")
+        .parse()
+        .context("vgpu number")?;
+    Ok(fgds::vgpu::open(n)?)
+}
+
 /// Registers one page of vgpu memory with fgds to find out whether fgds refuses this setup,
 /// and reports the mode it then shows (`# fgds-report: fgds mode=...`, which the host checks
 /// against the configuration).
@@ -120,11 +129,7 @@ pub fn fgds_refusal() -> anyhow::Result<Option<String>> {
         .next()
         .context("fgds serves no GPU: is fgds loaded with devices=<the GPU>?")?;
     let gpu = fgds::Gpu::open(&info.bdf)?;
-    let n = vgpu_name()?
-        .trim_start_matches("vgpu")
-        .parse()
-        .context("vgpu number")?;
-    let (dmabuf, _) = fgds::vgpu::alloc(&fgds::vgpu::open(n)?, 4096)?;
+    let (dmabuf, _) = fgds::vgpu::alloc(&vgpu_open()?, 4096)?;
     let res = gpu.register(dmabuf.as_fd(), 0, 4096).map(drop);
     let now = fgds::Gpu::list()?
         .into_iter()

@@ -27,12 +27,7 @@ fn main() {
 }
 
 fn fill_from_offset_0() -> CaseResult {
-    let n = guest::vgpu_name()?
-        .trim_start_matches("vgpu")
-        .parse()
-        .context("vgpu number")?;
-    let vgpu = fgds::vgpu::open(n)?;
-    let (dmabuf, bar_off) = fgds::vgpu::alloc(&vgpu, LEN)?;
+    let (dmabuf, bar_off) = fgds::vgpu::alloc(&guest::vgpu_open()?, LEN)?;
     ensure!(
         bar_off == 0,
         "vgpu placed the buffer at BAR2 {bar_off:#x}, not at 0: a program before this one left \

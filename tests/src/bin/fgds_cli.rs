@@ -84,11 +84,7 @@ fn read_then_write_round_trip() -> CaseResult {
     const SCRATCH: u64 = 128 << 20;
     let nvme = fgds_tests::guest::nvme_path()?;
     let dev = nvme.to_string_lossy().into_owned();
-    let vgpu = fgds::vgpu::open(
-        fgds_tests::guest::vgpu_name()?
-            .trim_start_matches("vgpu")
-            .parse()?,
-    )?;
+    let vgpu = fgds_tests::guest::vgpu_open()?;
     let (dmabuf, bar_off) = fgds::vgpu::alloc(&vgpu, LEN)?;
     // The CLI inherits the dma-buf at the same number.
     rustix::io::fcntl_setfd(&dmabuf, rustix::io::FdFlags::empty())

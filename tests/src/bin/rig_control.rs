@@ -38,11 +38,7 @@ fn gpu_check_sees_memory_as_it_is_now() -> CaseResult {
     use std::os::fd::AsFd;
     const LEN: u64 = 1 << 20;
     const SEED: u64 = 0x6374_6c31;
-    let n = guest::vgpu_name()?
-        .trim_start_matches("vgpu")
-        .parse()
-        .context("vgpu number")?;
-    let (dmabuf, bar_off) = fgds::vgpu::alloc(&fgds::vgpu::open(n)?, LEN)?;
+    let (dmabuf, bar_off) = fgds::vgpu::alloc(&guest::vgpu_open()?, LEN)?;
     let map = fgds::CpuMapping::new(dmabuf.as_fd(), LEN as usize)?;
     let mut data = vec![0u8; LEN as usize];
     pattern::fill(SEED, 0, &mut data);
