@@ -37,11 +37,6 @@ pub fn name(errno: i32) -> String {
         .map_or_else(|| format!("errno {errno}"), |(_, name)| (*name).to_owned())
 }
 
-/// The errno name of an I/O error, or its text if it carries no errno.
-pub fn of_io(err: &std::io::Error) -> String {
-    err.raw_os_error().map_or_else(|| err.to_string(), name)
-}
-
 #[cfg(test)]
 mod tests {
     #[test]
