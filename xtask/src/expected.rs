@@ -36,7 +36,9 @@
 //!
 //! When a change makes a case skip somewhere on purpose, or stop skipping, change its row in the
 //! same commit, and say why in the row. A row names the errno the guest got, never "any error".
-//! `cargo test -p xtask` checks that every row names cases that exist.
+//! `cargo test -p xtask` checks that every row names cases that exist. For example, when
+//! `pages=auto` gives P2PDMA pages on 7.x (issue 16), the `pages=auto` row of [`MODES`] gets a
+//! condition, and the fixed-buffer rows follow the mode by themselves.
 
 use std::collections::BTreeSet;
 
