@@ -245,6 +245,9 @@ struct fgds_fence {
  * @pending_since: when it went on @pending, for the log
  * @quiet_upto: pages of the buffer, from its start, found quiet by the
  *	quiesce work (they stay quiet: no new pin can appear)
+ * @quiet: the quiesce work found all its pages quiet and handed it to its
+ *	cleanup (under gpu->pending_lock): a revocation from now on needs no
+ *	fence
  * @cleanup: gives the dma-buf back once the pages are quiet (may sleep on
  *	the reservation lock, so it never runs in @quiesce)
  */
@@ -282,6 +285,7 @@ struct fgds_buf {
 	bool pending_ref;
 	unsigned long pending_since;
 	pgoff_t quiet_upto;
+	bool quiet;
 	struct work_struct cleanup;
 };
 

@@ -136,30 +136,51 @@ void fgds_fence_discard(struct fgds_buf *buf)
 	buf->fence = NULL;
 }
 
+/* What fgds_fence_publish_locked() did. */
+enum fgds_fence_state {
+	FGDS_FENCE_PUBLISHED,	/* in the reservation object (now or before) */
+	FGDS_FENCE_NOT_NEEDED,	/* the quiesce work found the pages quiet */
+	FGDS_FENCE_FAILED,	/* no slot, or the module is going away */
+};
+
 /*
  * Adds the revocation fence to the reservation object; dmabuf->resv held.
- * On kernels where fence ops stay in use after signalling, the fence pins the
- * module. Returns false when it cannot (no memory for the slot, module
- * going away).
+ * The quiesce work decides under gpu->pending_lock that a registration is
+ * quiet and signals its fence if one is published; the fence is published
+ * under the same lock, so it is either signalled by that decision or not
+ * published at all. On kernels where fence ops stay in use after
+ * signalling, the fence pins the module.
  */
-static bool fgds_fence_publish_locked(struct fgds_buf *buf)
+static enum fgds_fence_state fgds_fence_publish_locked(struct fgds_buf *buf)
 {
 	struct dma_resv *resv = buf->dmabuf->resv;
 	struct fgds_fence *f = buf->fence;
+	struct fgds_gpu *gpu = buf->gpu;
+	enum fgds_fence_state state = FGDS_FENCE_PUBLISHED;
 
-	if (!f || buf->fence_live)
-		return !!f;
-	if (dma_resv_reserve_fences(resv, 1))
-		return false;
+	if (buf->fence_live)
+		return FGDS_FENCE_PUBLISHED;
+	if (!f || dma_resv_reserve_fences(resv, 1))
+		return FGDS_FENCE_FAILED;
 #ifndef FGDS_FENCE_OPS_DETACH
 	if (!try_module_get(THIS_MODULE))
-		return false;
+		return FGDS_FENCE_FAILED;
 #endif
-	dma_fence_init(&f->base, &fgds_fence_ops, &f->lock,
-		       dma_fence_context_alloc(1), 1);
-	dma_resv_add_fence(resv, &f->base, DMA_RESV_USAGE_KERNEL);
-	buf->fence_live = true;
-	return true;
+	spin_lock(&gpu->pending_lock);
+	if (buf->quiet) {
+		state = FGDS_FENCE_NOT_NEEDED;
+	} else {
+		dma_fence_init(&f->base, &fgds_fence_ops, &f->lock,
+			       dma_fence_context_alloc(1), 1);
+		dma_resv_add_fence(resv, &f->base, DMA_RESV_USAGE_KERNEL);
+		buf->fence_live = true;
+	}
+	spin_unlock(&gpu->pending_lock);
+#ifndef FGDS_FENCE_OPS_DETACH
+	if (state != FGDS_FENCE_PUBLISHED)
+		module_put(THIS_MODULE);
+#endif
+	return state;
 }
 
 static void fgds_gpu_kick(struct fgds_gpu *gpu, unsigned long delay)
@@ -289,14 +310,28 @@ void fgds_buf_revoke_locked(struct fgds_buf *buf)
 				    (loff_t)fgds_buf_vm_pgoff(buf) << PAGE_SHIFT,
 				    buf->size, 1);
 
-	/* Pending already (released with I/O in flight): the fence joins it. */
+	/*
+	 * Pending already (released with I/O in flight): the fence joins it,
+	 * unless the quiesce work found the pages quiet meanwhile, then its
+	 * cleanup work may be waiting for the reservation lock, and nothing
+	 * is left to wait for.
+	 */
 	if (buf->pending) {
-		if (!fgds_fence_publish_locked(buf))
+		switch (fgds_fence_publish_locked(buf)) {
+		case FGDS_FENCE_PUBLISHED:
+			return;
+		case FGDS_FENCE_FAILED:
 			fgds_buf_wait_quiet_locked(buf);
+			break;
+		case FGDS_FENCE_NOT_NEEDED:
+			break;
+		}
+		fgds_buf_unmap_locked(buf);
 		return;
 	}
 	if (!fgds_buf_quiet(buf, NULL)) {
-		if (fgds_fence_publish_locked(buf) && fgds_buf_add_pending(buf))
+		if (fgds_fence_publish_locked(buf) == FGDS_FENCE_PUBLISHED &&
+		    fgds_buf_add_pending(buf))
 			return;
 		fgds_buf_wait_quiet_locked(buf);
 		fgds_fence_retire_locked(buf);
@@ -422,8 +457,12 @@ void fgds_quiesce_fn(struct work_struct *work)
 	fgds_quiesce_scan(gpu, &quiet, &left);
 	list_for_each_entry_safe(buf, tmp, &quiet, pending_node) {
 		list_del_init(&buf->pending_node);
+		/* Under the lock fences are published with (see above). */
+		spin_lock(&gpu->pending_lock);
+		buf->quiet = true;
 		if (buf->fence_live)
 			dma_fence_signal(&buf->fence->base);
+		spin_unlock(&gpu->pending_lock);
 		queue_work(fgds_wq, &buf->cleanup);
 	}
 	dma_fence_end_signalling(cookie);

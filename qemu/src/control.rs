@@ -10,10 +10,16 @@
 //!   host file (QEMU 7.2 cannot re-register the first backend's RAM block), so its memory is
 //!   what it was;
 //! - `hmp <command line>`: any HMP command; the reply carries its output on one line;
+//! - `gpu_check <offset> <len> <seed> [<pattern-offset>]`: the host reads `len` bytes at
+//!   `offset` of the GPU's memory (BAR2) from its backing file now (QEMU maps the file shared,
+//!   so it holds what the guest and DMA put there) and compares them with the pattern of
+//!   `seed` (`fgds_tests::pattern`) as it stands at `pattern-offset` of its stream (default 0);
+//!   `ok` if they match, else `error` with the first differing byte. Numbers are decimal or
+//!   `0x` hex; offsets and lengths multiples of 8;
 //! - `log <text>`: only recorded.
 //!
 //! Every request, its reply and its timing go to the run's fault log, so a run's artifacts say
-//! what was injected when.
+//! what was injected and checked when.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -193,9 +199,109 @@ fn execute(
             Ok(memdev)
         }
         "hmp" => Ok(session.hmp(rest.trim())?.replace('\n', " ")),
+        "gpu_check" => gpu_check(&gpu.backing, gpu.bytes, rest),
         "log" => Ok(String::new()),
         other => anyhow::bail!(
-            "unknown request {other:?}: use device_del, device_add, gpu_add, hmp or log"
+            "unknown request {other:?}: use device_del, device_add, gpu_add, hmp, gpu_check or \
+             log"
         ),
+    }
+}
+
+/// `gpu_check <offset> <len> <seed> [<pattern-offset>]` over the GPU's backing file `backing`
+/// of `bytes` bytes: the detail of an `ok` reply, or why the memory is not what was asked.
+pub fn gpu_check(backing: &Path, bytes: u64, args: &str) -> anyhow::Result<String> {
+    use std::os::unix::fs::FileExt;
+    let numbers = args
+        .split_whitespace()
+        .map(|word| {
+            let parsed = match word.strip_prefix("0x") {
+                Some(hex) => u64::from_str_radix(hex, 16),
+                None => word.parse(),
+            };
+            parsed.map_err(|_| anyhow::format_err!("{word:?} is not a number"))
+        })
+        .collect::<anyhow::Result<Vec<u64>>>()?;
+    let (offset, len, seed, at) = match numbers[..] {
+        [offset, len, seed] => (offset, len, seed, 0),
+        [offset, len, seed, at] => (offset, len, seed, at),
+        _ => {
+            anyhow::bail!("gpu_check takes <offset> <len> <seed> [<pattern-offset>], got {args:?}")
+        }
+    };
+    anyhow::ensure!(
+        [offset, len, at].iter().all(|n| n.is_multiple_of(8)),
+        "gpu_check: offset {offset:#x}, length {len:#x} and pattern offset {at:#x} must be \
+         multiples of 8"
+    );
+    anyhow::ensure!(
+        offset.checked_add(len).is_some_and(|end| end <= bytes),
+        "gpu_check: {offset:#x}+{len:#x} is outside the GPU's {bytes:#x} bytes"
+    );
+    let file = std::fs::File::open(backing)
+        .map_err(|err| anyhow::format_err!("cannot open {}: {err}", backing.display()))?;
+    let mut buf = vec![0u8; len.min(4 << 20) as usize];
+    let mut done = 0;
+    while done < len {
+        let n = buf.len().min((len - done) as usize);
+        let chunk = &mut buf[..n];
+        file.read_exact_at(chunk, offset + done).map_err(|err| {
+            anyhow::format_err!(
+                "cannot read {} at {:#x}: {err}",
+                backing.display(),
+                offset + done
+            )
+        })?;
+        if let Some(i) = fgds_tests::pattern::first_mismatch(seed, at + done, chunk) {
+            let byte = offset + done + i as u64;
+            anyhow::bail!(
+                "the GPU's memory differs from the pattern of seed {seed:#x} at BAR2 byte \
+                 {byte:#x} ({:#x} into the {len:#x} bytes checked from {offset:#x})",
+                done + i as u64
+            );
+        }
+        done += n as u64;
+    }
+    Ok(format!("{len:#x} bytes at {offset:#x} hold the pattern"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gpu_check;
+    use fgds_tests::pattern;
+
+    fn backing(name: &str, bytes: &[u8]) -> std::path::PathBuf {
+        let path = std::env::temp_dir().join(format!("fgds-control-{}-{name}", std::process::id()));
+        std::fs::write(&path, bytes).expect("temp file");
+        path
+    }
+
+    #[test]
+    fn gpu_check_answers_from_the_file_as_it_is_now() {
+        let mut mem = vec![0u8; 64 << 10];
+        pattern::fill(7, 0, &mut mem[8192..16384]);
+        pattern::fill(9, 4096, &mut mem[32768..36864]);
+        let path = backing("now", &mem);
+        let bytes = mem.len() as u64;
+        assert!(gpu_check(&path, bytes, "8192 8192 7").is_ok());
+        assert!(gpu_check(&path, bytes, "0x8000 0x1000 0x9 0x1000").is_ok());
+        let err = gpu_check(&path, bytes, "0x8000 0x1000 9").unwrap_err();
+        assert!(format!("{err}").contains("at BAR2 byte 0x8000"), "{err}");
+
+        // A later write to the file is what the next check sees.
+        mem[9000] ^= 0xff;
+        std::fs::write(&path, &mem).expect("rewrite");
+        let err = gpu_check(&path, bytes, "8192 8192 7").unwrap_err();
+        assert!(format!("{err}").contains("at BAR2 byte 0x2328"), "{err}");
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn gpu_check_refuses_bad_requests() {
+        let path = backing("bad", &[0u8; 4096]);
+        for args in ["0 8", "0 8 1 2 3", "x 8 1", "4 8 1", "0 8192 1", "4096 8 1"] {
+            assert!(gpu_check(&path, 4096, args).is_err(), "{args:?} accepted");
+        }
+        let _ = std::fs::remove_file(&path);
     }
 }

@@ -490,7 +490,7 @@ impl Drop for Machine {
 const EXPECTED_QEMU_MESSAGES: &[&str] = &["aio failed: Input/output error"];
 
 pub fn check_qemu_log(files: &RunFiles) -> anyhow::Result<()> {
-    let log = std::fs::read_to_string(&files.qemu_log).unwrap_or_default();
+    let log = read_log(&files.qemu_log);
     let unexpected = |l: &&str| {
         l.contains("qemu-system-x86_64:") && !EXPECTED_QEMU_MESSAGES.iter().any(|m| l.contains(m))
     };
@@ -501,4 +501,31 @@ pub fn check_qemu_log(files: &RunFiles) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A log of the run (console, KTAP, QEMU's), read lossily: a byte that is not UTF-8 (a guest
+/// that printed binary, a line cut in the middle of a character) becomes U+FFFD and the rest of
+/// the log stays, so no check reads an emptied log. A log that is not there reads empty.
+pub fn read_log(path: &Path) -> String {
+    std::fs::read(path)
+        .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_log_with_bytes_that_are_not_utf8_is_read_whole() {
+        let path = std::env::temp_dir().join(format!("fgds-log-{}", std::process::id()));
+        let mut log = b"[ 1.0] boot\n[ 1.1] garbage \xff\xfe from a serial line\n".to_vec();
+        log.extend_from_slice(b"[ 2.0] fgds-rig: begin smoke\n[ 2.1] BUG: KASAN: use-after-free\n");
+        std::fs::write(&path, &log).expect("temp file");
+        let text = super::read_log(&path);
+        let _ = std::fs::remove_file(&path);
+        assert!(text.contains("garbage \u{fffd}\u{fffd} from"), "{text}");
+        let splats = crate::console::splats(&text);
+        assert_eq!(splats.len(), 1, "the splat after the bad bytes is found");
+        assert_eq!(splats[0].test.as_deref(), Some("smoke"));
+        assert_eq!(super::read_log(&path), "", "a missing log reads empty");
+    }
 }

@@ -1,9 +1,11 @@
 //! The guest's end of the rig's control channel (qemu/src/control.rs): ask the host for a
-//! machine-level action, such as unplugging the GPU, and wait until it is done.
+//! machine-level action, such as unplugging the GPU, and wait until it is done, or for a check
+//! of the GPU's memory as the host sees it at that moment.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
@@ -15,15 +17,29 @@ pub const GPU_ID: &str = "gpu0";
 /// The QEMU device id of the NVMe controller.
 pub const NVME_ID: &str = "nvme0";
 
+/// How long a request waits for the port while another process holds it open.
+const PORT_WAIT: Duration = Duration::from_secs(60);
+
 /// Sends one request and returns the detail of its `ok` reply; an `error` reply fails with the
 /// host's reason. The host logs both in the run's `faults.log`.
+///
+/// A virtio-serial port is open in one process at a time (EBUSY otherwise): concurrent requests
+/// (a forked child's, another thread's) wait their turn.
 pub fn request(line: &str) -> anyhow::Result<String> {
     let path = port_path()?;
-    let mut port = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&path)
-        .with_context(|| format!("cannot open the control port {}", path.display()))?;
+    let deadline = Instant::now() + PORT_WAIT;
+    let mut port = loop {
+        match OpenOptions::new().read(true).write(true).open(&path) {
+            Ok(port) => break port,
+            Err(err) if err.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(err) => {
+                return Err(err)
+                    .with_context(|| format!("cannot open the control port {}", path.display()));
+            }
+        }
+    };
     port.write_all(format!("{line}\n").as_bytes())?;
     let mut reply = String::new();
     BufReader::new(&mut port as &mut File)
@@ -51,6 +67,22 @@ pub fn device_add(args: &str) -> anyhow::Result<()> {
 /// was (the same host file).
 pub fn gpu_add() -> anyhow::Result<()> {
     request("gpu_add").map(drop)
+}
+
+/// Asks the host to read the GPU's memory now (BAR2, its backing file) and check that `len`
+/// bytes at BAR2 offset `offset` hold the pattern of `seed` as [`crate::pattern::fill`] writes
+/// it from stream offset 0. Fails with the host's answer (the first differing byte) otherwise.
+pub fn gpu_check(offset: u64, len: u64, seed: u64) -> anyhow::Result<()> {
+    gpu_check_at(offset, len, seed, 0)
+}
+
+/// [`gpu_check`] of the pattern as it stands at byte `pattern_offset` of its stream (the NVMe
+/// image's pattern read from drive offset `pattern_offset`, say).
+pub fn gpu_check_at(offset: u64, len: u64, seed: u64, pattern_offset: u64) -> anyhow::Result<()> {
+    request(&format!(
+        "gpu_check {offset:#x} {len:#x} {seed:#x} {pattern_offset:#x}"
+    ))
+    .map(drop)
 }
 
 fn port_path() -> anyhow::Result<PathBuf> {

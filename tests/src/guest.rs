@@ -84,35 +84,88 @@ pub fn rig_modules() -> anyhow::Result<Vec<(String, String)>> {
         .collect())
 }
 
-/// Why fgds refuses to serve the rig's GPU in this setup (GENERIC pages under a translating
-/// IOMMU, EOPNOTSUPP by design), if it does: registers one page of vgpu memory to find out.
-/// Programs that need registrations skip with this reason; fgds_badinput checks the refusal.
-pub fn fgds_refusal() -> Option<String> {
+/// The fgds mode (sysfs `mode`: `generic`, `p2pdma`, `exporter-p2pdma` or `refused`) that the
+/// run's configuration implies, from the host's expected-outcome table
+/// (xtask/src/expected.rs), never from the driver itself: the init sets `FGDS_EXPECTED_MODE`
+/// from the plan.
+pub fn expected_mode() -> anyhow::Result<String> {
+    std::env::var("FGDS_EXPECTED_MODE").context(
+        "FGDS_EXPECTED_MODE is not set: run inside the rig (cargo xtask test-vm), which sets it \
+         from the run's configuration",
+    )
+}
+
+/// The rig's vgpu instance: `vgpuN` (normally vgpu0; a rebind can make it another number).
+pub fn vgpu_name() -> anyhow::Result<String> {
+    let mut names = std::fs::read_dir("/sys/class/vgpu")
+        .context("no /sys/class/vgpu: is vgpu loaded?")?
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<Vec<_>>();
+    names.sort();
+    names.into_iter().next().context("no vgpu device bound")
+}
+
+/// Opens the rig's vgpu instance (`/dev/vgpuN` of [`vgpu_name`]).
+pub fn vgpu_open() -> anyhow::Result<File> {
+    let n = vgpu_name()?
+        .trim_start_matches("vgpu")
+        .parse()
+        .context("vgpu number")?;
+    Ok(fgds::vgpu::open(n)?)
+}
+
+/// Registers one page of vgpu memory with fgds to find out whether fgds refuses this setup,
+/// and reports the mode it then shows (`# fgds-report: fgds mode=...`, which the host checks
+/// against the configuration).
+///
+/// Ok(None): fgds registered it. Ok(Some(reason)): REG_BUFFER failed with EOPNOTSUPP and sysfs
+/// `mode` reads `refused`, as designed for GENERIC pages under a translating IOMMU or P2PDMA
+/// pages on a kernel without them; the reason starts with `EOPNOTSUPP:`. Any other failure is
+/// an error: it is not a refusal, and a case must not skip on it.
+pub fn fgds_refusal() -> anyhow::Result<Option<String>> {
     use std::os::fd::AsFd;
-    let probe = || -> Result<(), fgds::Error> {
-        let info = fgds::Gpu::list()?
-            .into_iter()
-            .next()
-            .ok_or_else(|| fgds::Error::NoSuchGpu {
-                bdf: "any".to_owned(),
-            })?;
-        let gpu = fgds::Gpu::open(&info.bdf)?;
-        let (dmabuf, _) = fgds::vgpu::alloc(&fgds::vgpu::open(0)?, 4096)?;
-        gpu.register(dmabuf.as_fd(), 0, 4096).map(drop)
-    };
-    match probe() {
-        Err(fgds::Error::Register { errno: rustix::io::Errno::OPNOTSUPP }) => {
-            Some("fgds refuses this setup by design (EOPNOTSUPP: see fgds_badinput::unsafe_setup_refused)".to_owned())
-        }
-        _ => None,
+    let info = fgds::Gpu::list()?
+        .into_iter()
+        .next()
+        .context("fgds serves no GPU: is fgds loaded with devices=<the GPU>?")?;
+    let gpu = fgds::Gpu::open(&info.bdf)?;
+    let (dmabuf, _) = fgds::vgpu::alloc(&vgpu_open()?, 4096)?;
+    let res = gpu.register(dmabuf.as_fd(), 0, 4096).map(drop);
+    let now = fgds::Gpu::list()?
+        .into_iter()
+        .find(|g| g.bdf == info.bdf)
+        .with_context(|| format!("fgds no longer lists {}", info.bdf))?;
+    crate::ktap::diag(format_args!("fgds-report: fgds mode={}", now.mode));
+    match res {
+        Ok(()) => Ok(None),
+        Err(fgds::Error::Register {
+            errno: rustix::io::Errno::OPNOTSUPP,
+        }) if now.mode == "refused" => Ok(Some(format!(
+            "EOPNOTSUPP: fgds refuses this setup as designed (sysfs mode refused{}; the kernel \
+             log says why; fgds_badinput::unsafe_setup_refused checks the refusal)",
+            if now.iommu.starts_with("DMA") {
+                ": GENERIC pages under a translating IOMMU"
+            } else {
+                ""
+            }
+        ))),
+        Err(err) => Err(anyhow::Error::new(err).context(format!(
+            "the probe registration failed, and not as a refusal (sysfs mode {})",
+            now.mode
+        ))),
     }
 }
 
 /// Exits with the kselftest skip code, and the reason on the plan line, if fgds refuses the
-/// setup (see [`fgds_refusal`]).
+/// setup (see [`fgds_refusal`]). A probe that fails otherwise is printed, and the program's
+/// cases run (and fail on their own).
 pub fn skip_if_fgds_refuses() {
-    if let Some(reason) = fgds_refusal() {
-        println!("KTAP version 1\n1..0 # SKIP {reason}");
-        std::process::exit(4);
+    match fgds_refusal() {
+        Ok(None) => {}
+        Ok(Some(reason)) => {
+            println!("KTAP version 1\n1..0 # SKIP {reason}");
+            std::process::exit(4);
+        }
+        Err(err) => crate::ktap::diag(format_args!("{err:#}")),
     }
 }

@@ -41,14 +41,6 @@ pub fn diag(msg: impl Display) {
     let _ = out.flush();
 }
 
-/// Asks the host to check, after the VM has exited, that the GPU backing file holds the
-/// pattern with `seed` at `offset` for `len` bytes.
-pub fn host_check_gpu_pattern(offset: u64, len: u64, seed: u64) {
-    diag(format_args!(
-        "fgds-host-check: gpu-pattern offset={offset} len={len} seed={seed}"
-    ));
-}
-
 /// Runs every case in order, prints the KTAP document and exits: 0 if nothing failed, else 1.
 ///
 /// A case that panics fails; the others still run. Cases named on the command line run alone.

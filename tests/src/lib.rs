@@ -3,6 +3,7 @@
 //! in-guest test binaries under `src/bin/`.
 
 pub mod ctl;
+pub mod errno;
 pub mod guest;
 pub mod ktap;
 pub mod pattern;

@@ -71,7 +71,8 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         programs: vec![(PROGRAM.to_owned(), timeout)],
         ..vm::Options::for_kernel(&opts.kernel)
     })?;
-    let ktap = std::fs::read_to_string(run.run_dir.join("ktap.log"))
+    let ktap = std::fs::read(run.run_dir.join("ktap.log"))
+        .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
         .context("the run left no KTAP log")?;
     let mut rows = Vec::new();
     let mut registration = None;

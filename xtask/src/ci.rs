@@ -72,6 +72,7 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
     } else {
         opts.kernels.iter().map(|k| (k.as_str(), "auto")).collect()
     };
+    let mut skips = Vec::new();
     for (kernel, pages) in runs {
         let vm_opts = vm::Options {
             fgds_pages: pages.to_owned(),
@@ -79,7 +80,10 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
         };
         outcomes.extend(or_failure(
             &format!("{kernel}::run"),
-            vm::run_kernel(&vm_opts).map(|run| run.outcomes),
+            vm::run_kernel(&vm_opts).map(|run| {
+                skips.push((run.config, run.expected_skips));
+                run.outcomes
+            }),
         ));
     }
     eprintln!("ci: rig self-test");
@@ -88,6 +92,7 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
         selftest::run("debian:6.12"),
     ));
     let passed = report::print(outcomes);
+    report::print_skips(&skips);
     Ok(if passed {
         ExitCode::SUCCESS
     } else {

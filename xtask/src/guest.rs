@@ -168,17 +168,22 @@ pub struct RigModule {
     pub params: String,
 }
 
-/// Writes the initramfs for a run to `out` and returns the plan it holds.
+/// Writes the initramfs for a run to `out` and returns the plan it holds; `env` is set for
+/// every test program.
 pub fn make_initramfs(
     kernel: &Kernel,
     cache_dir: &Path,
     bin_dir: &Path,
     rig_modules: &[RigModule],
     suite: &[SuiteEntry],
+    env: &[(&str, &str)],
     out: &Path,
 ) -> anyhow::Result<String> {
     let mut tree = initramfs::base_tree();
     let mut plan = String::new();
+    for (name, value) in env {
+        plan.push_str(&format!("env {name} {value}\n"));
+    }
     tree.insert(
         "init".to_owned(),
         Entry::File {

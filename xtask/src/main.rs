@@ -7,6 +7,7 @@
 mod bench;
 mod ci;
 mod driver;
+mod expected;
 mod guest;
 mod host;
 mod matrix;

@@ -93,7 +93,7 @@ fn row(run: &vm::KernelRun) -> Row {
     let mode = run
         .reports
         .iter()
-        .find_map(|r| r.split_whitespace().find_map(|w| w.strip_prefix("mode=")))
+        .find_map(|r| r.strip_prefix("fgds mode=")?.split_whitespace().next())
         .unwrap_or("unreported")
         .to_owned();
     Row {

@@ -1,11 +1,11 @@
-//! Turning what a run produced (KTAP, console, host checks) into one verdict per test, and
-//! printing them cargo-test style through libtest-mimic.
-
-use std::path::Path;
+//! Turning what a run produced (KTAP, console) into one verdict per test, and printing them
+//! cargo-test style through libtest-mimic.
 
 use fgds_qemu::console::{self, Splat};
 use fgds_qemu::ktap::{self, Status, Test};
-use fgds_tests::pattern;
+
+/// The init's last line on the KTAP port, exactly: a run without it was cut short.
+pub const END_MARKER: &str = "# fgds-rig: done";
 
 /// The verdict on one test.
 #[derive(Debug, Clone)]
@@ -30,7 +30,6 @@ pub struct RunArtifacts<'a> {
     pub planned: &'a [String],
     pub ktap: &'a str,
     pub console: &'a str,
-    pub gpu_backing: &'a Path,
     /// Why the machine ended early, if it did (timeout, QEMU error).
     pub machine_problem: Option<String>,
 }
@@ -39,16 +38,12 @@ pub struct RunArtifacts<'a> {
 pub fn outcomes(run: &RunArtifacts) -> Vec<Outcome> {
     let doc = ktap::parse(run.ktap);
     let started = run.ktap.lines().any(|l| l.starts_with("KTAP version"));
-    let finished = run.ktap.lines().any(|l| l.contains("fgds-rig: done"));
+    let finished = run
+        .ktap
+        .lines()
+        .any(|l| l.trim_end_matches('\r') == END_MARKER);
     let splats = console::splats(run.console);
-    let mut tests = ktap::complete(doc);
-    for (i, name) in run.planned.iter().enumerate() {
-        match tests.get_mut(i) {
-            Some(test) if test.status == Status::Missing => test.name = name.clone(),
-            Some(_) => {}
-            None => tests.push(missing(i + 1, name)),
-        }
-    }
+    let (tests, unplanned) = match_plan(run.planned, ktap::complete(doc));
     let crash_context = || {
         let lines = match splats.last() {
             Some(splat) => splat.context.clone(),
@@ -79,6 +74,16 @@ pub fn outcomes(run: &RunArtifacts) -> Vec<Outcome> {
             verdict: v,
         });
     }
+    for test in unplanned {
+        out.push(Outcome {
+            name: format!("{}::unplanned::{}", run.label, test.name),
+            verdict: Verdict::Fail(format!(
+                "a result (number {}) that the host's plan does not name: the guest ran \
+                 something else than it was given",
+                test.number
+            )),
+        });
+    }
 
     let uncharged = splats
         .iter()
@@ -101,14 +106,41 @@ pub fn outcomes(run: &RunArtifacts) -> Vec<Outcome> {
                 crash_context()
             )),
             (None, true, false) => Verdict::Fail(format!(
-                "the guest stopped before the end of the suite\n{}",
+                "the guest stopped before the end of the suite (no line {END_MARKER:?})\n{}",
                 crash_context()
             )),
             (None, true, true) => Verdict::Pass,
         },
     });
-    out.extend(host_checks(run));
     out
+}
+
+/// Pairs the planned tests with the guest's results by name: each planned name takes the
+/// first result line of that name; a planned test without one takes the block the guest died
+/// in, if it bears the test's number (the init numbers tests in plan order), else it is
+/// missing. Returns the tests in plan order, and the results that no planned name took.
+fn match_plan(planned: &[String], results: Vec<Test>) -> (Vec<Test>, Vec<Test>) {
+    let mut left = results.into_iter().map(Some).collect::<Vec<_>>();
+    let mut take = |pred: &dyn Fn(&Test) -> bool| {
+        left.iter_mut()
+            .find(|t| t.as_ref().is_some_and(pred))
+            .and_then(Option::take)
+    };
+    let mut tests = Vec::new();
+    for (i, name) in planned.iter().enumerate() {
+        let number = i + 1;
+        let test = take(&|t: &Test| t.status != Status::Missing && t.name == *name)
+            .or_else(|| {
+                take(&|t: &Test| t.status == Status::Missing && t.number == number).map(|mut t| {
+                    t.name = name.clone();
+                    t
+                })
+            })
+            .unwrap_or_else(|| missing(number, name));
+        tests.push(test);
+    }
+    let unplanned = left.into_iter().flatten().collect();
+    (tests, unplanned)
 }
 
 fn missing(number: usize, name: &str) -> Test {
@@ -155,51 +187,11 @@ fn splat_report(splats: &[&Splat]) -> String {
     text
 }
 
-/// The GPU-memory checks guest tests asked for (`# fgds-host-check: gpu-pattern offset=.. len=.. seed=..`).
-fn host_checks(run: &RunArtifacts) -> Vec<Outcome> {
-    let mut out = Vec::new();
-    for line in run.ktap.lines() {
-        let Some(rest) = line.split("fgds-host-check: gpu-pattern").nth(1) else {
-            continue;
-        };
-        let field = |key: &str| -> Option<u64> {
-            rest.split_whitespace()
-                .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
-        };
-        let (Some(offset), Some(len), Some(seed)) = (field("offset"), field("len"), field("seed"))
-        else {
-            out.push(Outcome {
-                name: format!("{}::host::malformed-check", run.label),
-                verdict: Verdict::Fail(format!("cannot parse host check {line:?}")),
-            });
-            continue;
-        };
-        let name = format!("{}::host::gpu-pattern@{offset:#x}+{len:#x}", run.label);
-        out.push(Outcome {
-            name,
-            verdict: check_gpu_pattern(run.gpu_backing, offset, len, seed),
-        });
-    }
-    out
-}
-
-fn check_gpu_pattern(path: &Path, offset: u64, len: u64, seed: u64) -> Verdict {
-    use std::os::unix::fs::FileExt;
-    let mut buf = vec![0u8; len as usize];
-    let res = std::fs::File::open(path).and_then(|f| f.read_exact_at(&mut buf, offset));
-    if let Err(err) = res {
-        return Verdict::Fail(format!(
-            "cannot read {} at {offset:#x}: {err}",
-            path.display()
-        ));
-    }
-    match pattern::first_mismatch(seed, 0, &buf) {
-        None => Verdict::Pass,
-        Some(at) => Verdict::Fail(format!(
-            "the GPU backing file {} differs from the pattern at byte {:#x} (buffer offset {at:#x})",
-            path.display(),
-            offset + at as u64
-        )),
+/// Prints, after the summary, how many skips the expected-outcome table expected in each run's
+/// configuration (every other skip failed), one line per run.
+pub fn print_skips(runs: &[(String, usize)]) {
+    for (config, skips) in runs {
+        println!("expected skips: {skips} in {config} (xtask/src/expected.rs)");
     }
 }
 
@@ -237,7 +229,6 @@ mod tests {
             planned: &planned,
             ktap,
             console,
-            gpu_backing: Path::new("/nonexistent"),
             machine_problem: None,
         })
     }
@@ -291,5 +282,50 @@ mod tests {
         let console = "[1] fgds-rig: begin smoke\n[2] WARNING: CPU: 0 PID: 9 at x.c:1\n[3] fgds-rig: end smoke\n";
         let out = run_with(ktap, console);
         assert!(matches!(verdict_of(&out, "k::smoke"), Verdict::Fail(_)));
+    }
+
+    #[test]
+    fn results_are_matched_by_name_not_position() {
+        // The guest ran rig_modules before smoke: each result keeps its own verdict.
+        let ktap = "KTAP version 1\n1..3\nok 1 setup\nnot ok 2 rig_modules # exit=1\nok 3 smoke\n# fgds-rig: done\n";
+        let out = run_with(ktap, "");
+        assert!(matches!(verdict_of(&out, "k::smoke"), Verdict::Pass));
+        assert!(matches!(
+            verdict_of(&out, "k::rig_modules"),
+            Verdict::Fail(_)
+        ));
+    }
+
+    #[test]
+    fn a_result_the_plan_does_not_name_fails_and_so_does_the_planned_test() {
+        let ktap =
+            "KTAP version 1\n1..3\nok 1 setup\nok 2 smoke\nok 3 rig_module\n# fgds-rig: done\n";
+        let out = run_with(ktap, "");
+        assert!(matches!(
+            verdict_of(&out, "k::unplanned::rig_module"),
+            Verdict::Fail(_)
+        ));
+        let Verdict::Fail(msg) = verdict_of(&out, "k::rig_modules") else {
+            panic!("a planned test without a result must fail")
+        };
+        assert!(msg.contains("no result"), "{msg}");
+    }
+
+    #[test]
+    fn the_end_marker_must_be_the_whole_line() {
+        let results = "KTAP version 1\n1..3\nok 1 setup\nok 2 smoke\nok 3 rig_modules\n";
+        for not_the_end in [
+            "  # fgds-rig: done\n",
+            "# fgds-rig: done, or not\n",
+            "# smoke: fgds-rig: done\n",
+        ] {
+            let out = run_with(&format!("{results}{not_the_end}"), "");
+            assert!(
+                matches!(verdict_of(&out, "k::vm"), Verdict::Fail(_)),
+                "{not_the_end:?} taken for the end"
+            );
+        }
+        let out = run_with(&format!("{results}# fgds-rig: done\r\n"), "");
+        assert!(matches!(verdict_of(&out, "k::vm"), Verdict::Pass));
     }
 }

@@ -10,6 +10,7 @@ use fgds_qemu::machine::{self, Accel};
 use fgds_tests::pattern;
 use fgds_vm_images::{disk, kernel};
 
+use crate::expected::{self, RunConfig};
 use crate::host::{self, Phases};
 use crate::report::{self, Outcome};
 use crate::{driver, guest, run_memory};
@@ -87,6 +88,7 @@ pub enum AccelArg {
 pub fn test_vm(opts: &Options) -> anyhow::Result<ExitCode> {
     let run = run_kernel(opts)?;
     let passed = report::print(run.outcomes);
+    report::print_skips(&[(run.config, run.expected_skips)]);
     Ok(if passed {
         ExitCode::SUCCESS
     } else {
@@ -94,8 +96,6 @@ pub fn test_vm(opts: &Options) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// Runs the suite on one kernel and returns the verdicts. Errors are problems of the host (a
-/// kernel that cannot be fetched, a driver that does not build), not test failures.
 /// What one kernel's run gave.
 pub struct KernelRun {
     /// The spec as given, e.g. `debian:6.12`.
@@ -104,6 +104,10 @@ pub struct KernelRun {
     pub package_version: String,
     /// The guest's `# fgds-report:` lines (the driver's mode, ...).
     pub reports: Vec<String>,
+    /// The run's configuration, as `RunConfig::describe` says it.
+    pub config: String,
+    /// Skips the expected-outcome table expects (xtask/src/expected.rs) in this run.
+    pub expected_skips: usize,
     /// From the start of the fetch to the verdicts.
     pub took: Duration,
     pub outcomes: Vec<Outcome>,
@@ -114,6 +118,9 @@ pub struct KernelRun {
 /// The values of fgds's `pages=` parameter.
 pub const FGDS_PAGES: [&str; 3] = ["auto", "p2pdma", "generic"];
 
+/// Runs the suite on one kernel and returns the verdicts. Errors are problems of the host (a
+/// kernel that cannot be fetched, a driver that does not build, a configuration the rig cannot
+/// run), not test failures.
 pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     let started = Instant::now();
     let spec: kernel::KernelSpec = opts.kernel.parse()?;
@@ -141,8 +148,17 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         display_version(&kernel.package_version)
     );
 
+    let run_config = RunConfig::new(&kernel, &opts.fgds_pages, &opts.vgpu_mode, opts.iommu)?;
+    let expected_mode = expected::mode(&run_config)?;
+
     let bin_dir = guest::bin_dir();
     let mut suite = guest::default_suite(&bin_dir)?;
+    // The programs the expected-outcome table speaks for.
+    let covered = ["setup", "kmemleak"]
+        .into_iter()
+        .map(str::to_owned)
+        .chain(suite.iter().map(|e| e.name.clone()))
+        .collect::<Vec<_>>();
     if let Some(unknown) = opts
         .only
         .iter()
@@ -210,7 +226,8 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
                 params: module_params(name, opts),
             })
             .collect::<Vec<_>>();
-        let plan = guest::make_initramfs(&kernel, &cache, &bin_dir, &rig, &suite, &initrd)?;
+        let env = [("FGDS_EXPECTED_MODE", expected_mode.sysfs())];
+        let plan = guest::make_initramfs(&kernel, &cache, &bin_dir, &rig, &suite, &env, &initrd)?;
         std::fs::write(run_dir.join("plan.txt"), plan)?;
         disk::write_nvme_image(&nvme_image)?;
         disk::write_gpu_backing(&gpu_backing, opts.gpu_bytes)?;
@@ -247,8 +264,8 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     phases.record("tests", run.took.saturating_sub(boot));
 
     let files = machine::run_files(&run_dir);
-    let ktap = std::fs::read_to_string(&files.ktap).unwrap_or_default();
-    let console = std::fs::read_to_string(&files.console).unwrap_or_default();
+    let ktap = machine::read_log(&files.ktap);
+    let console = machine::read_log(&files.console);
     let machine_problem = match (&run.exit, machine::check_qemu_log(&files), run.panicked) {
         (machine::Exit::TimedOut, _, _) => Some(format!(
             "the machine ran past its limit of {} s and was stopped",
@@ -262,13 +279,12 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         .chain(suite.iter().map(|e| e.name.clone()))
         .chain(std::iter::once("kmemleak".to_owned()))
         .collect::<Vec<_>>();
-    let reports = ktap
-        .lines()
-        .filter_map(|l| l.split("fgds-report: ").nth(1))
-        .map(|l| l.trim().to_owned())
-        .collect::<Vec<_>>();
-    for line in &reports {
-        eprintln!("  {line}");
+    let mut reports = Vec::<String>::new();
+    for line in ktap.lines().filter_map(|l| l.split("fgds-report: ").nth(1)) {
+        if !reports.iter().any(|r| r == line.trim()) {
+            eprintln!("  {}", line.trim());
+            reports.push(line.trim().to_owned());
+        }
     }
     eprintln!("  phases: {}", phases.summary());
     let mut outcomes = vec![driver::build_outcome(&label, &build)];
@@ -277,9 +293,16 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         planned: &planned,
         ktap: &ktap,
         console: &console,
-        gpu_backing: &gpu_backing,
         machine_problem,
     }));
+    let fgds_planned = suite.iter().any(|e| e.name.starts_with("fgds_"));
+    outcomes.extend(expected::mode_outcome(
+        &run_config,
+        &label,
+        &ktap,
+        fgds_planned,
+    ));
+    let expected_skips = expected::apply(&run_config, &label, &covered, &mut outcomes);
     // The GPU's memory is RAM of the host: give it back once the verdicts are in.
     drop(memory);
     Ok(KernelRun {
@@ -287,6 +310,8 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         release: kernel.release.clone(),
         package_version: kernel.package_version.clone(),
         reports,
+        config: run_config.describe(),
+        expected_skips,
         took: started.elapsed(),
         outcomes,
         run_dir: run_dir.clone(),
@@ -373,7 +398,7 @@ fn run_machine(config: &machine::Config, limit: Duration) -> anyhow::Result<Mach
     let mut shown = 0;
     let mut boot = None;
     let mut show_new_results = || {
-        let text = std::fs::read_to_string(&files.ktap).unwrap_or_default();
+        let text = machine::read_log(&files.ktap);
         let lines = text
             .lines()
             .filter(|l| l.starts_with("ok ") || l.starts_with("not ok "))

@@ -525,27 +525,26 @@ fn limit_per_user() -> CaseResult {
 }
 
 /// Under a translating IOMMU fgds must not hand out GENERIC pages: it either uses P2PDMA pages
-/// (IOMMU-aware) or refuses with EOPNOTSUPP and sysfs mode "refused".
+/// (IOMMU-aware) or refuses with EOPNOTSUPP and sysfs mode "refused"; which of the two, the
+/// run's configuration says (the kernel has P2PDMA pages or not).
 fn unsafe_setup_refused() -> CaseResult {
     if !common::gpu_dma_translated()? {
         return ktap::skip("the GPU's DMA is not translated by an IOMMU in this run");
     }
+    let refused = common::refusal()?;
     let mode = common::sysfs("mode")?;
-    match common::refusal()? {
-        Some(reason) => {
-            ensure!(
-                common::sysfs("mode")? == "refused",
-                "refused, but mode reads {mode}"
-            );
-            ktap::diag(format_args!("fgds-report: fgds mode=refused ({reason})"));
-        }
-        None => {
-            let mode = common::sysfs("mode")?;
-            ensure!(
-                mode == "p2pdma" || mode == "exporter-p2pdma",
-                "fgds accepted GENERIC-style pages under a translating IOMMU (mode {mode})"
-            );
-        }
+    let expected = fgds_tests::guest::expected_mode()?;
+    ensure!(
+        mode == expected,
+        "under a translating IOMMU fgds shows mode {mode}; the run's configuration implies \
+         {expected}"
+    );
+    match refused {
+        Some(reason) => ktap::diag(reason),
+        None => ensure!(
+            mode == "p2pdma" || mode == "exporter-p2pdma",
+            "fgds accepted GENERIC-style pages under a translating IOMMU (mode {mode})"
+        ),
     }
     ktap::pass()
 }

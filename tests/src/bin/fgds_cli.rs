@@ -1,11 +1,16 @@
-//! The `fgds` CLI in the guest: `fgds list` shows the GPU and its mode, and `fgds bench` runs
-//! every mode, reporting each one's throughput as a ratio of `ram` (p2pmem skipped with a
-//! reason where the kernel or exporter has none).
+//! The `fgds` CLI in the guest: `fgds list` shows the GPU and its mode, `fgds read` and
+//! `fgds write` move the right bytes through one GPU buffer, and `fgds bench` runs every mode,
+//! reporting each one's throughput as a ratio of `ram` (p2pmem skipped with a reason where the
+//! kernel or exporter has none).
 
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::fs::FileExt;
 use std::process::Command;
 
-use anyhow::{Context, ensure};
+use anyhow::{Context, bail, ensure};
+use fgds_tests::guest::AlignedBuf;
 use fgds_tests::ktap::{self, Case, CaseResult};
+use fgds_tests::{ctl, pattern};
 
 fn main() {
     // fgds refuses some setups by design (GENERIC pages under a translating IOMMU): then there
@@ -70,22 +75,56 @@ fn list_shows_the_gpu_and_its_mode() -> CaseResult {
     ktap::pass()
 }
 
+/// `fgds read` of the drive's pattern into one GPU buffer, then `fgds write` of that buffer to
+/// the drive's scratch area: the buffer is this program's (a vgpu dma-buf the CLI inherits with
+/// `--dmabuf-fd`), so the bytes are checked in GPU memory after the read (through vgpu's CPU
+/// mapping and by the host) and on the drive after the write.
 fn read_then_write_round_trip() -> CaseResult {
+    const LEN: u64 = 4 << 20;
+    const SCRATCH: u64 = 128 << 20;
     let nvme = fgds_tests::guest::nvme_path()?;
     let dev = nvme.to_string_lossy().into_owned();
-    // 4 MiB of the pattern into GPU memory, then from GPU memory to the scratch area.
-    fgds(&["read", &dev, "--vgpu", "0", "--len", "4194304"])?;
+    let vgpu = fgds_tests::guest::vgpu_open()?;
+    let (dmabuf, bar_off) = fgds::vgpu::alloc(&vgpu, LEN)?;
+    // The CLI inherits the dma-buf at the same number.
+    rustix::io::fcntl_setfd(&dmabuf, rustix::io::FdFlags::empty())
+        .context("clearing FD_CLOEXEC on the dma-buf")?;
+    let fd = dmabuf.as_raw_fd().to_string();
+    let cpu = fgds::CpuMapping::new(dmabuf.as_fd(), LEN as usize)?;
+    cpu.write(0, &vec![0x5a; LEN as usize]);
+    // The scratch area holds other data first, so that what the write put there shows.
+    let drive = fgds_tests::guest::open_direct(&nvme, true)?;
+    let mut ram = AlignedBuf::new(LEN as usize)?;
+    ram.as_mut_slice().fill(0xa5);
+    drive.write_all_at(ram.as_slice(), SCRATCH)?;
+
+    let len = LEN.to_string();
+    let out = fgds(&["read", &dev, "--dmabuf-fd", &fd, "--len", &len])?;
+    ensure!(out.contains("4194304 bytes"), "unexpected output: {out}");
+    let mut got = vec![0u8; LEN as usize];
+    cpu.read(0, &mut got);
+    if let Some(at) = pattern::first_mismatch(pattern::NVME_SEED, 0, &got) {
+        bail!("after `fgds read` GPU memory differs from the drive at byte {at}");
+    }
+    ctl::gpu_check_at(bar_off, LEN, pattern::NVME_SEED, 0)
+        .context("after `fgds read`, GPU memory as the host sees it")?;
+
+    let scratch = SCRATCH.to_string();
     let out = fgds(&[
         "write",
         &dev,
-        "--vgpu",
-        "0",
+        "--dmabuf-fd",
+        &fd,
         "--len",
-        "4194304",
+        &len,
         "--file-offset",
-        "134217728",
+        &scratch,
     ])?;
     ensure!(out.contains("4194304 bytes"), "unexpected output: {out}");
+    drive.read_exact_at(ram.as_mut_slice(), SCRATCH)?;
+    if let Some(at) = pattern::first_mismatch(pattern::NVME_SEED, 0, ram.as_slice()) {
+        bail!("after `fgds write` the drive's scratch differs from the GPU buffer at byte {at}");
+    }
     ktap::pass()
 }
 

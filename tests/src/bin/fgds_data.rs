@@ -69,9 +69,11 @@ fn mode_reported() -> CaseResult {
     let idx = common::reg(&node, dmabuf.as_fd(), 0, MIB).context("REG_BUFFER")?;
     let mode = common::sysfs("mode")?;
     ktap::diag(format_args!("fgds-report: fgds mode={mode}"));
+    let expected = fgds_tests::guest::expected_mode()?;
     ensure!(
-        ["generic", "p2pdma", "exporter-p2pdma"].contains(&mode.as_str()),
-        "unexpected mode {mode:?}"
+        mode == expected,
+        "fgds shows mode {mode:?} with a buffer registered; the run's configuration implies \
+         {expected:?} (xtask/src/expected.rs)"
     );
     ensure!(
         common::sysfs_u64("buffers")? >= 1,
@@ -86,12 +88,12 @@ fn mode_reported() -> CaseResult {
 }
 
 /// Reads `len` bytes of the NVMe pattern at `nvme_off` into a fresh GPU buffer through fgds and
-/// checks the GPU memory.
+/// checks the GPU memory, through vgpu's CPU mapping and as the host sees it.
 fn read_into_gpu(len: u64, nvme_off: u64) -> anyhow::Result<()> {
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let nvme = common::nvme(false)?;
-    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, len)?;
     common::gpu_fill(dmabuf.as_fd(), len as usize, 0xaa)?;
     let idx = common::reg(&node, dmabuf.as_fd(), 0, len).context("REG_BUFFER")?;
     let map = Map::shared(&node, idx, len as usize)?;
@@ -100,6 +102,8 @@ fn read_into_gpu(len: u64, nvme_off: u64) -> anyhow::Result<()> {
     ensure!(n == len as usize, "short pread: {n} of {len}");
     let got = common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?;
     common::check_nvme_pattern(nvme_off, &got).with_context(|| format!("{len} bytes"))?;
+    fgds_tests::ctl::gpu_check_at(bar_off, len, pattern::NVME_SEED, nvme_off)
+        .with_context(|| format!("{len} bytes in the GPU's backing file"))?;
     Ok(())
 }
 
@@ -270,7 +274,7 @@ fn io_uring_registered_buffers_refused() -> CaseResult {
         iov_base: map.ptr.cast(),
         iov_len: len as usize,
     }];
-    let mode = common::sysfs("mode")?;
+    let mode = fgds_tests::guest::expected_mode()?;
     let release = common::kernel_release()?;
     let want = match mode.as_str() {
         _ if release.starts_with("6.1.") => libc::EOPNOTSUPP,

@@ -7,17 +7,19 @@
 //!   that touched the failing sector, and those bytes are right;
 //! - that later I/O succeeds (the rest of the range; all of it again after a once-error) and a
 //!   persistent error stays;
-//! - that GPU memory outside the I/O's range is intact, through vgpu's CPU mapping and, after
-//!   the run, by the host in the GPU's backing file (sentinels, the data read, the data that
-//!   was the source of a failed write).
+//! - that GPU memory outside the I/O's range is intact, through vgpu's CPU mapping and by the
+//!   host in the GPU's backing file, asked over the control channel (sentinels, the data read,
+//!   the data that was the source of a failed write);
+//! - that the error reaches the application: an I/O across a failing sector that succeeds,
+//!   a once-error's first included, fails the case (the error was swallowed).
 //!
 //! The NVMe driver retries media errors, which hides a once-error from the application, and the
 //! block layer merges adjacent sub-requests into one NVMe command, which then fails as a whole:
 //! the cases set `nvme_core.max_retries` and the drive's `queue/nomerges` (to 0 and 2) while
 //! they run, and put them back.
 //!
-//! Each case has its own 2 MiB of vgpu memory above 192 MiB of BAR2, held until the program
-//! exits, so that no later program overwrites what the host checks.
+//! Each case has its own 2 MiB of vgpu memory above 192 MiB of BAR2, allocated once and held
+//! until the program exits.
 
 #[path = "../fgds_common.rs"]
 mod common;
@@ -32,6 +34,7 @@ use std::sync::OnceLock;
 use anyhow::{Context, bail, ensure};
 use common::MIB;
 use fgds::{Direction, Error, Gpu, Transfer, TransferConfig};
+use fgds_tests::ctl;
 use fgds_tests::guest::AlignedBuf;
 use fgds_tests::ktap::{self, Case, CaseResult};
 use fgds_tests::pattern::{self, fault as area};
@@ -140,8 +143,7 @@ fn prepare_gpu(dmabuf: BorrowedFd<'_>, k: usize, target: Option<u64>) -> anyhow:
     common::gpu_write(dmabuf, CASE_BYTES as usize, 0, &mem)
 }
 
-/// Checks the sentinels (and asks the host to check them after the run); returns the I/O
-/// range's bytes.
+/// Checks the sentinels through vgpu's CPU mapping; returns the I/O range's bytes.
 fn check_gpu(dmabuf: BorrowedFd<'_>, k: usize) -> anyhow::Result<Vec<u8>> {
     let (head, tail, _) = seeds(k);
     let mem = common::gpu_read(dmabuf, CASE_BYTES as usize, 0, CASE_BYTES as usize)?;
@@ -154,15 +156,17 @@ fn check_gpu(dmabuf: BorrowedFd<'_>, k: usize) -> anyhow::Result<Vec<u8>> {
     Ok(mem[HEAD as usize..TAIL as usize].to_vec())
 }
 
-/// Asks the host to check, after the run, the case's sentinels and `len` bytes of `data`'s
-/// pattern at the start of the I/O's range.
-fn host_checks(k: usize, bar_off: u64, len: u64) {
+/// Asks the host to check now, in the GPU's backing file, the case's sentinels and `len` bytes
+/// of `data`'s pattern at the start of the I/O's range.
+fn host_checks(k: usize, bar_off: u64, len: u64) -> anyhow::Result<()> {
     let (head, tail, data) = seeds(k);
-    ktap::host_check_gpu_pattern(bar_off, HEAD, head);
-    ktap::host_check_gpu_pattern(bar_off + TAIL, CASE_BYTES - TAIL, tail);
+    ctl::gpu_check(bar_off, HEAD, head).context("the head sentinel, seen by the host")?;
+    ctl::gpu_check(bar_off + TAIL, CASE_BYTES - TAIL, tail)
+        .context("the tail sentinel, seen by the host")?;
     if len > 0 {
-        ktap::host_check_gpu_pattern(bar_off + HEAD, len, data);
+        ctl::gpu_check(bar_off + HEAD, len, data).context("the data, seen by the host")?;
     }
+    Ok(())
 }
 
 /// Sets `nvme_core.max_retries` to 0 until dropped, so that the drive's error reaches the
@@ -406,9 +410,10 @@ fn read_case(k: usize, fault: u64, once: bool, via: Via) -> CaseResult {
     let first = io(&reg, Direction::Read, via, &nvme, start);
     ktap::diag(format_args!("{via:?} across the failing sector: {first:?}"));
     if once && first.is_ok() {
-        return ktap::skip(
-            "the once-error at READ_ONCE had already fired in this boot (an earlier program's I/O \
-             touched it), so this read could not fail",
+        bail!(
+            "the read across the once-error at READ_ONCE ({fault:#x}) succeeded: the drive's \
+             error never reached the application (swallowed, retried away, or fired earlier by \
+             another program's I/O there)"
         );
     }
     let done = check_failure("read across the failing sector", via, first)?;
@@ -428,7 +433,7 @@ fn read_case(k: usize, fault: u64, once: bool, via: Via) -> CaseResult {
         if let Some(at) = pattern::first_mismatch(data, 0, &got) {
             bail!("after the retry byte {at} of the range differs from the drive");
         }
-        host_checks(k, bar_off, IO_LEN);
+        host_checks(k, bar_off, IO_LEN)?;
     } else {
         check_failure("the same read again (a persistent error)", via, again)?;
         // The parts before and after the failing 4 KiB read fine.
@@ -454,7 +459,7 @@ fn read_case(k: usize, fault: u64, once: bool, via: Via) -> CaseResult {
         if let Some(at) = pattern::first_mismatch(data, PRE + FAULT_BLOCK, tail) {
             bail!("read after the failing sector: byte {at} differs");
         }
-        host_checks(k, bar_off, PRE);
+        host_checks(k, bar_off, PRE)?;
     }
     drop(reg);
     fault::wait_counters_zero("after the case")?;
@@ -490,9 +495,10 @@ fn write_case(k: usize, fault: u64, once: bool, via: Via) -> CaseResult {
     let first = io(&reg, Direction::Write, via, &nvme, start);
     ktap::diag(format_args!("{via:?} across the failing sector: {first:?}"));
     if once && first.is_ok() {
-        return ktap::skip(
-            "the once-error at WRITE_ONCE had already fired in this boot (an earlier program's \
-             I/O touched it), so this write could not fail",
+        bail!(
+            "the write across the once-error at WRITE_ONCE ({fault:#x}) succeeded: the drive's \
+             error never reached the application (swallowed, retried away, or fired earlier by \
+             another program's I/O there)"
         );
     }
     let done = check_failure("write across the failing sector", via, first)?;
@@ -546,7 +552,7 @@ fn write_case(k: usize, fault: u64, once: bool, via: Via) -> CaseResult {
         pattern::first_mismatch(data, 0, &got).is_none(),
         "GPU memory changed by writes from it"
     );
-    host_checks(k, bar_off, IO_LEN);
+    host_checks(k, bar_off, IO_LEN)?;
     drop(reg);
     fault::wait_counters_zero("after the case")?;
     ktap::pass()

@@ -5,10 +5,11 @@
 //! (a) The reads end within a bounded time, never hang, pread(2) with EFAULT (io_uring with
 //! EFAULT, or EIO from the block layer's multi-bio path); the mapping raises SIGBUS;
 //! the node is gone; REG_BUFFER and mmap on the still-open fd fail with ENODEV (documented);
-//! once the last fd is closed fgds unloads cleanly (and loads again). The host checks after the
-//! run that the GPU memory under the buffer holds the sentinel it held before: the readers copy
-//! that same sentinel from the drive until the removal has completed and something else after,
-//! so any write that reached GPU memory after the removal would show.
+//! once the last fd is closed fgds unloads cleanly (and loads again). The host checks, once the
+//! GPU is back (asked over the control channel), that the GPU memory under the buffer holds the
+//! sentinel it held before: the readers copy that same sentinel from the drive until the
+//! removal has completed and something else after, so any write that reached GPU memory after
+//! the removal would show.
 //!
 //! (b) After `gpu_add` (same slot, same memory) a new node appears and data moves both ways.
 
@@ -31,8 +32,8 @@ use fgds_tests::ktap::{self, Case, CaseResult};
 use fgds_tests::{ctl, pattern};
 use rustix::io::Errno;
 
-/// The buffer, placed at BAR2 offset SENTINEL_AT (above fgds_host's and fgds_fault_drive's
-/// checked ranges, which later programs' first-fit allocations never reach).
+/// The buffer, placed at BAR2 offset SENTINEL_AT, clear of what the node's later data checks
+/// allocate first fit.
 const LEN: u64 = 32 * MIB;
 const SENTINEL_AT: u64 = 208 * MIB;
 /// Drive scratch: source A holds the sentinel, source B other data.
@@ -259,7 +260,8 @@ fn gpu_unplug_during_large_reads() -> CaseResult {
     loaded?;
     added?;
     node_back?;
-    ktap::host_check_gpu_pattern(bar_off, LEN, SEED_A);
+    ctl::gpu_check(bar_off, LEN, SEED_A)
+        .context("the sentinel under the buffer, as the host sees it after the removal")?;
     fault::data_check(4 * MIB, 30 * MIB).context("NVMe -> GPU on the new node")?;
     write_check().context("GPU -> NVMe on the new node")?;
     fault::wait_counters_zero("after the case")?;

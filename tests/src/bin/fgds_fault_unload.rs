@@ -189,7 +189,15 @@ fn pages_parameter_checked() -> CaseResult {
         drop((node, dmabuf, vgpu));
         fault::wait_counters_zero("after the pages=p2pdma check")?;
         fault::wait_vgpu_buffers_gone("before the unload")?;
-        fault::unload_fgds()
+        fault::unload_fgds()?;
+        if kernel_has_p2pdma()? {
+            // fgds's P2PDMA resource can stay on the GPU until the exporter's driver unbinds
+            // (docs/driver.md, Devres): the next fgds would take those pages for the
+            // exporter's (mode exporter-p2pdma) and the rest of the suite would not run in the
+            // configured mode. A rebind gives the GPU back as the init left it.
+            rebind_vgpu()?;
+        }
+        Ok(())
     })();
     // Whatever happened, load fgds as the init did so that the suite goes on.
     if !std::path::Path::new("/sys/module/fgds").exists() {
@@ -198,7 +206,26 @@ fn pages_parameter_checked() -> CaseResult {
     result?;
     fault::data_check(2 * MIB, 6 * MIB).context("after loading fgds as the init did")?;
     fault::wait_counters_zero("after the check")?;
+    let (mode, expected) = (common::sysfs("mode")?, fgds_tests::guest::expected_mode()?);
+    ensure!(
+        mode == expected,
+        "fgds loaded again as the init did shows mode {mode}; the run's configuration implies \
+         {expected}"
+    );
     ktap::pass()
+}
+
+/// Unbinds vgpu from the GPU and binds it again (fgds is not loaded: nothing holds the GPU).
+fn rebind_vgpu() -> anyhow::Result<()> {
+    let bdf = common::vgpu_bdf()?;
+    let driver = std::fs::canonicalize(format!("/sys/bus/pci/devices/{bdf}/driver"))
+        .context("vgpu driver link")?;
+    std::fs::write(driver.join("unbind"), &bdf).context("unbind vgpu")?;
+    std::fs::write(driver.join("bind"), &bdf).context("bind vgpu")?;
+    fault::wait_until("vgpu after its rebind", Duration::from_secs(20), || {
+        Ok(common::vgpu_name().is_ok())
+    })
+    .map(drop)
 }
 
 /// Whether the kernel was built with CONFIG_PCI_P2PDMA (its exported entry point exists).

@@ -1,12 +1,11 @@
-//! fgds cases the host checks after the run in the GPU's backing file: data read from the NVMe
-//! really landed in device memory, and a revoked range received no write after the revocation.
-//! Runs after the other fgds programs and keeps its buffers until it exits, so nothing reuses
-//! the checked ranges.
+//! fgds cases the host checks in the GPU's backing file, when asked over the control channel:
+//! data read from the NVMe really landed in device memory, and a revoked range received no
+//! write after the revocation.
 
 #[path = "../fgds_common.rs"]
 mod common;
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,6 +13,7 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use common::{MIB, Map};
+use fgds_tests::ctl;
 use fgds_tests::guest::AlignedBuf;
 use fgds_tests::ktap::{self, Case, CaseResult};
 use fgds_tests::pattern;
@@ -35,30 +35,13 @@ fn main() {
     ])
 }
 
-/// The host checks `pattern::fill(seed, 0, ..)` at the buffer's BAR offset.
-///
-/// Keeps a dma-buf open until the program exits, so vgpu never hands its range out again.
-fn keep(fd: OwnedFd) {
-    std::mem::forget(fd);
-}
-
-/// A vgpu buffer placed above the first 128 MiB of BAR2 (vgpu allocates first fit), so that
-/// programs running later, which reuse the lowest free ranges, do not overwrite what the host
-/// checks.
-fn alloc_high(vgpu: &std::fs::File, len: u64) -> anyhow::Result<(OwnedFd, u64)> {
-    let spacer = common::alloc(vgpu, 128 * MIB).ok();
-    let buf = common::alloc(vgpu, len)?;
-    drop(spacer);
-    Ok(buf)
-}
-
 fn host_sees_data() -> CaseResult {
     let len = 4 * MIB;
     let seed = 0x484f_5354;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let nvme = common::nvme(true)?;
-    let (dmabuf, bar_off) = alloc_high(&vgpu, len)?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, len)?;
     // Put on the NVMe the pattern the host will expect at this BAR offset, then read it into
     // GPU memory through fgds.
     let mut ram = AlignedBuf::new(len as usize)?;
@@ -73,8 +56,7 @@ fn host_sees_data() -> CaseResult {
         pattern::first_mismatch(seed, 0, &got).is_none(),
         "guest sees wrong data in GPU memory"
     );
-    ktap::host_check_gpu_pattern(bar_off, len, seed);
-    keep(dmabuf);
+    ctl::gpu_check(bar_off, len, seed).context("GPU memory as the host sees it")?;
     ktap::pass()
 }
 
@@ -84,7 +66,7 @@ fn no_write_after_revoke() -> CaseResult {
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let nvme = common::nvme(true)?;
-    let (dmabuf, bar_off) = alloc_high(&vgpu, len)?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, len)?;
     // Source A holds exactly what the GPU range holds (the sentinel), source B something else.
     // Reads started before the revocation return copy A, so they leave the sentinel intact;
     // after the revocation has returned the reader switches to B, so any write that still
@@ -129,8 +111,8 @@ fn no_write_after_revoke() -> CaseResult {
         common::pread_raw(&nvme, map.ptr, len as usize, src_b) == Err(Errno::FAULT),
         "pread into the revoked buffer did not fail with EFAULT"
     );
-    ktap::host_check_gpu_pattern(bar_off, len, seed);
+    ctl::gpu_check(bar_off, len, seed)
+        .context("the revoked range as the host sees it (a write after the revocation?)")?;
     drop(map);
-    keep(dmabuf);
     ktap::pass()
 }

@@ -257,7 +257,8 @@ fn minor_faults() -> anyhow::Result<i64> {
     Ok(unsafe { usage.assume_init() }.ru_minflt)
 }
 
-/// Whether fgds maps 2 MiB folios with PMDs here: GENERIC pages on 7.x (docs/driver.md).
+/// Whether fgds must map 2 MiB folios with PMDs here: GENERIC pages on 7.x (docs/driver.md),
+/// the mode taken from the run's configuration, not from the driver.
 fn maps_pmds() -> anyhow::Result<bool> {
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")?;
     let major: u32 = release
@@ -265,7 +266,13 @@ fn maps_pmds() -> anyhow::Result<bool> {
         .next()
         .and_then(|m| m.parse().ok())
         .context("kernel release")?;
-    Ok(major >= 7 && common::sysfs("mode")? == "generic")
+    let mode = common::sysfs("mode")?;
+    let expected = fgds_tests::guest::expected_mode()?;
+    ensure!(
+        mode == expected,
+        "fgds shows mode {mode:?}; the run's configuration implies {expected:?}"
+    );
+    Ok(major >= 7 && expected == "generic")
 }
 
 /// An 8 MiB buffer on 2 MiB BAR boundaries: where fgds maps PMDs, touching it from its last

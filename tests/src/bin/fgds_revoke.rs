@@ -305,7 +305,7 @@ fn vmsplice_holds_revocation_until_drained() -> CaseResult {
     // SAFETY: one page of our live mapping; vmsplice only reads the iovec.
     let n = unsafe { libc::vmsplice(tx.as_raw_fd(), &iov, 1, 0) };
     let err = std::io::Error::last_os_error();
-    let mode = common::sysfs("mode")?;
+    let mode = fgds_tests::guest::expected_mode()?;
     if mode != "generic" {
         ensure!(
             n < 0 && err.raw_os_error() == Some(libc::EREMOTEIO),
@@ -422,7 +422,7 @@ fn readonly_dmabuf_gives_readonly_mapping() -> CaseResult {
 /// Why PMD mappings cannot occur here, if they cannot: only GENERIC 2 MiB folios on 7.x
 /// kernels are mapped with PMDs.
 fn no_pmds_here() -> anyhow::Result<Option<String>> {
-    let mode = common::sysfs("mode")?;
+    let mode = fgds_tests::guest::expected_mode()?;
     let release = common::kernel_release()?;
     Ok(if mode != "generic" {
         Some(format!(
@@ -730,7 +730,7 @@ fn teardown_past_its_deadline_keeps_waiting() -> CaseResult {
     fault::require_idle()?;
     const LEN: u64 = 4 * MIB;
     let (bdf, drv) = vgpu_driver()?;
-    let mode = common::sysfs("mode")?;
+    let mode = fgds_tests::guest::expected_mode()?;
     let _timeout = RevokeTimeout::set(500)?;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;

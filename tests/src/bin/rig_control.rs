@@ -1,5 +1,6 @@
 //! The rig's control channel and fault areas work: the host unplugs and replugs the GPU on
-//! request, and the drive fails I/O exactly in its fault areas.
+//! request, checks the GPU's memory as it is when asked, and the drive fails I/O exactly in its
+//! fault areas.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -20,10 +21,43 @@ fn main() {
             run: read_fault_areas,
         },
         Case {
+            name: "gpu_check_sees_memory_as_it_is_now",
+            run: gpu_check_sees_memory_as_it_is_now,
+        },
+        Case {
             name: "unknown_request_is_refused",
             run: unknown_request_is_refused,
         },
     ])
+}
+
+/// The host's `gpu_check` answers from the GPU's memory at the moment it is asked: it passes on
+/// what the guest just wrote, fails on any other seed or pattern offset, and after the guest
+/// overwrites one word it fails at exactly that byte.
+fn gpu_check_sees_memory_as_it_is_now() -> CaseResult {
+    use std::os::fd::AsFd;
+    const LEN: u64 = 1 << 20;
+    const SEED: u64 = 0x6374_6c31;
+    let (dmabuf, bar_off) = fgds::vgpu::alloc(&guest::vgpu_open()?, LEN)?;
+    let map = fgds::CpuMapping::new(dmabuf.as_fd(), LEN as usize)?;
+    let mut data = vec![0u8; LEN as usize];
+    pattern::fill(SEED, 0, &mut data);
+    map.write(0, &data);
+    ctl::gpu_check(bar_off, LEN, SEED).context("the pattern just written")?;
+    ensure!(
+        ctl::gpu_check(bar_off, LEN, SEED + 1).is_err(),
+        "gpu_check passed with another seed"
+    );
+    ensure!(
+        ctl::gpu_check_at(bar_off, LEN, SEED, 8).is_err(),
+        "gpu_check passed with another pattern offset"
+    );
+    map.write(4096, &[0xee; 8]);
+    match ctl::gpu_check(bar_off, LEN, SEED) {
+        Err(err) if format!("{err:#}").contains(&format!("byte {:#x}", bar_off + 4096)) => {}
+        other => bail!("after overwriting byte 4096: {other:?}, want a mismatch there"),
+    }
+    ktap::pass()
 }
 
 fn vgpu_present() -> bool {

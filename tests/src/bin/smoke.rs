@@ -1,6 +1,6 @@
 //! Smoke tests of the rig itself: the NVMe pattern reads back with O_DIRECT into RAM (pread and
 //! io_uring), and vgpu memory written through the dma-buf's CPU mapping reaches the GPU's
-//! backing file on the host.
+//! backing file on the host (checked by the host when asked, over the control channel).
 
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
@@ -9,6 +9,7 @@ use anyhow::{Context, bail, ensure};
 use std::os::fd::AsFd;
 
 use fgds::vgpu;
+use fgds_tests::ctl;
 use fgds_tests::guest::{self, AlignedBuf};
 use fgds_tests::ktap::{self, Case, CaseResult};
 use fgds_tests::pattern;
@@ -109,6 +110,7 @@ fn vgpu_mmap_reaches_backing_file() -> CaseResult {
     if let Some(at) = pattern::first_mismatch(SEED, 0, &back) {
         bail!("vgpu memory read back differs at byte {at}");
     }
-    ktap::host_check_gpu_pattern(bar_offset, LEN as u64, SEED);
+    ctl::gpu_check(bar_offset, LEN as u64, SEED)
+        .context("the GPU's backing file, read by the host over the control channel")?;
     ktap::pass()
 }

@@ -7,13 +7,18 @@
 //! a missing result as a crash.
 //!
 //! The plan, `/etc/fgds/plan`, is written by the host, one directive a line:
-//! `module <kernel|rig> <path> [params]` and `test <name> <path> <timeout-seconds>`.
-//! In module params `@ivshmem@` stands for the fake GPU's PCI address.
+//! `module <kernel|rig> <path> [params]`, `test <name> <path> <timeout-seconds>` and
+//! `env <NAME> <value>` (set for every test). In module params `@ivshmem@` stands for the fake
+//! GPU's PCI address.
 //!
 //! Tests get the rig's drives in their environment: `FGDS_NVME` (the raw drive: the pattern,
 //! then scratch), `FGDS_EXT4` (where an ext4 filesystem on a second namespace is mounted) and
-//! `FGDS_NVME2` (a second drive, on its own hot-pluggable slot); a kernel parameter
-//! `fgds.<name>=<value>` becomes `FGDS_<NAME>=<value>`.
+//! `FGDS_NVME2` (a second drive, on its own hot-pluggable slot); the plan's `env` lines (the
+//! host sets `FGDS_EXPECTED_MODE`, the fgds mode the run's configuration implies); a kernel
+//! parameter `fgds.<name>=<value>` becomes `FGDS_<NAME>=<value>`.
+//!
+//! The last line on the KTAP port is exactly `# fgds-rig: done`: the host takes a run whose
+//! output lacks that line as cut short.
 
 use std::ffi::CString;
 use std::fs::{self, File, OpenOptions};
@@ -41,6 +46,14 @@ struct Test {
     timeout: Duration,
 }
 
+/// What the plan says.
+struct Plan {
+    modules: Vec<Module>,
+    tests: Vec<Test>,
+    /// Environment variables for every test.
+    env: Vec<(String, String)>,
+}
+
 fn main() {
     if let Err(err) = run() {
         console(&format!("fgds-init: {err:#}"));
@@ -55,7 +68,11 @@ fn main() {
 
 fn run() -> anyhow::Result<()> {
     mount_kernel_filesystems()?;
-    let (modules, tests) = read_plan()?;
+    let Plan {
+        modules,
+        tests,
+        env,
+    } = read_plan()?;
     // Modules first: the KTAP port's driver (virtio_console) may be one of them.
     kmsg("begin setup");
     let mut setup = load_modules(&modules);
@@ -81,7 +98,7 @@ fn run() -> anyhow::Result<()> {
     ktap.flush()?;
 
     for (i, test) in tests.iter().enumerate() {
-        run_test(&mut ktap, i + 2, test, &drives)?;
+        run_test(&mut ktap, i + 2, test, &drives, &env)?;
     }
     kmsg("begin kmemleak");
     let leaks = kmemleak_scan();
@@ -125,11 +142,16 @@ fn mount_kernel_filesystems() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn read_plan() -> anyhow::Result<(Vec<Module>, Vec<Test>)> {
+fn read_plan() -> anyhow::Result<Plan> {
     let text = fs::read_to_string(PLAN).with_context(|| format!("cannot read {PLAN}"))?;
     let mut modules = Vec::new();
     let mut tests = Vec::new();
+    let mut env = Vec::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        if let Some((name, value)) = line.strip_prefix("env ").and_then(|r| r.split_once(' ')) {
+            env.push((name.to_owned(), value.to_owned()));
+            continue;
+        }
         let mut words = line.splitn(4, ' ');
         match (words.next(), words.next(), words.next(), words.next()) {
             (Some("module"), Some(_kind), Some(path), params) => modules.push(Module {
@@ -148,7 +170,11 @@ fn read_plan() -> anyhow::Result<(Vec<Module>, Vec<Test>)> {
             _ => bail!("malformed plan line {line:?}"),
         }
     }
-    Ok((modules, tests))
+    Ok(Plan {
+        modules,
+        tests,
+        env,
+    })
 }
 
 /// Finds the virtio-serial port named [`KTAP_PORT_NAME`] (there is no udev to make the
@@ -320,7 +346,13 @@ fn find_pci_device(vendor: &str, device: &str) -> Option<String> {
     None
 }
 
-fn run_test(ktap: &mut File, number: usize, test: &Test, drives: &Drives) -> anyhow::Result<()> {
+fn run_test(
+    ktap: &mut File,
+    number: usize,
+    test: &Test,
+    drives: &Drives,
+    env: &[(String, String)],
+) -> anyhow::Result<()> {
     kmsg(&format!("begin {}", test.name));
     let started = Instant::now();
     let mut command = Command::new(&test.path);
@@ -332,7 +364,7 @@ fn run_test(ktap: &mut File, number: usize, test: &Test, drives: &Drives) -> any
     if drives.ext4.is_some() {
         command.env("FGDS_EXT4", EXT4_MOUNT);
     }
-    for (var, value) in cmdline_env() {
+    for (var, value) in env.iter().cloned().chain(cmdline_env()) {
         command.env(var, value);
     }
     let child = command

@@ -382,7 +382,10 @@ impl Job<'_> {
         };
         feed_from(&self.log, offset, &mut progress)?;
         if !status.success() {
-            let text = fs::read_to_string(&self.log).unwrap_or_default();
+            // Lossily: a compiler's non-UTF-8 byte must not hide every error line.
+            let text = fs::read(&self.log)
+                .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+                .unwrap_or_default();
             bail!(
                 "`make {}` failed ({status}) after {}; its errors:\n{}\nthe full output is in {}",
                 args.join(" "),

@@ -1,0 +1,698 @@
+//! The expected outcome of a run, by its configuration: the fgds mode the configuration implies
+//! ([`MODES`]) and the cases of the default suite that skip there, and why ([`SKIPS`]). The
+//! one place to look when a run fails with "unexpected skip", "the table is stale" or a wrong
+//! mode.
+//!
+//! # A configuration
+//!
+//! [`RunConfig`]: the kernel (its series and its `.config`), fgds's `pages=` parameter, vgpu's
+//! mode, whether a translating vIOMMU is there (`--iommu`), and the exporter of the GPU memory
+//! (today always the rig's vgpu; vfio-pci's BAR dma-bufs are coming: add a variant to
+//! [`Exporter`] and a [`When`] that names it, then rows).
+//!
+//! # Reading the tables
+//!
+//! Both are lists of rows with conditions ([`When`]); a row applies to a run when all of its
+//! conditions hold.
+//! - [`MODES`]: the first row that applies gives the mode, which the guest's sysfs `mode` must
+//!   read (`<run>::mode`, and the cases that use the mode, get it from here through the guest's
+//!   `FGDS_EXPECTED_MODE`, never from the driver).
+//! - [`SKIPS`]: every row that applies names cases (`program::case`, `program::*` for all of a
+//!   program's cases, or a bare `program` for a program that skips as a whole) that skip in that
+//!   configuration, with the start of the reason they give: the errno's name where the guest
+//!   skips because the kernel answered with one (`EREMOTEIO`), else the start of the message.
+//!
+//! Every case of the default suite (tests/suite.txt) and the rig's own results (`setup`,
+//! `kmemleak`) get their verdict from it:
+//! - a skip that a row names, with a reason that starts as the row says, is a skip (`ignored`,
+//!   counted per configuration in the summary);
+//! - any other skip fails: something refused or missing that no row expects;
+//! - a pass that a row names as skipping fails: the table is stale.
+//!
+//! Programs given with `--exec`, and programs run instead of the suite (bench), are not in the
+//! table: their skips stay skips.
+//!
+//! # Editing
+//!
+//! When a change makes a case skip somewhere on purpose, or stop skipping, change its row in the
+//! same commit, and say why in the row. A row names the errno the guest got, never "any error".
+//! `cargo test -p xtask` checks that every row names cases that exist.
+
+use std::collections::BTreeSet;
+
+use fgds_vm_images::kernel::Kernel;
+
+use crate::report::{Outcome, Verdict};
+
+/// fgds's page provider as sysfs `mode` shows it once a buffer was registered (docs/driver.md,
+/// Page providers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Generic,
+    P2pdma,
+    ExporterP2pdma,
+    /// REG_BUFFER fails with EOPNOTSUPP: fgds cannot map this GPU's memory safely here.
+    Refused,
+}
+
+impl Mode {
+    pub fn sysfs(self) -> &'static str {
+        match self {
+            Mode::Generic => "generic",
+            Mode::P2pdma => "p2pdma",
+            Mode::ExporterP2pdma => "exporter-p2pdma",
+            Mode::Refused => "refused",
+        }
+    }
+}
+
+/// fgds's `pages=` parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pages {
+    Auto,
+    P2pdma,
+    Generic,
+}
+
+/// vgpu's `mode=` parameter: its BAR as plain memory (like VRAM) or with P2PDMA pages of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VgpuMode {
+    Plain,
+    P2pdma,
+}
+
+/// Who exports the GPU memory the tests register.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exporter {
+    /// The rig's test exporter (driver/vgpu).
+    Vgpu,
+}
+
+/// What a run is, as far as its expected outcome goes.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// The kernel as given, e.g. `debian:6.12`.
+    pub kernel: String,
+    /// Its series, e.g. (6, 12), from `uname -r`.
+    pub series: (u32, u32),
+    /// The options its `.config` sets to y or m (`CONFIG_...`).
+    pub configs: BTreeSet<String>,
+    pub pages: Pages,
+    pub vgpu_mode: VgpuMode,
+    pub iommu: bool,
+    pub exporter: Exporter,
+}
+
+/// A condition of a row.
+#[derive(Debug, Clone, Copy)]
+pub enum When {
+    /// The kernel's series is before X.Y.
+    SeriesBelow(u32, u32),
+    /// The kernel's config has this option (y or m).
+    Has(&'static str),
+    /// The kernel's config lacks at least one of these options.
+    LacksAny(&'static [&'static str]),
+    Pages(Pages),
+    VgpuMode(VgpuMode),
+    Iommu(bool),
+    /// fgds's mode, as [`MODES`] gives it, is one of these (not for rows of [`MODES`]).
+    Mode(&'static [Mode]),
+}
+
+/// A row of [`MODES`].
+pub struct ModeRow {
+    pub when: &'static [When],
+    pub mode: Mode,
+}
+
+/// The mode each configuration implies: the first row whose conditions hold. `pages=auto` gives
+/// P2PDMA pages wherever the kernel has CONFIG_PCI_P2PDMA, GENERIC pages elsewhere; GENERIC pages
+/// are allowed in the rig unless a vIOMMU translates DMA (the devices share a PCIe switch, which
+/// fgds's own topology walk, or the kernel's P2P check where it has one, accepts); see
+/// docs/driver.md, Page providers.
+pub const MODES: &[ModeRow] = &[
+    // The exporter registered P2PDMA pages for its BAR: fgds reuses them, whatever `pages=`.
+    ModeRow {
+        when: &[When::VgpuMode(VgpuMode::P2pdma)],
+        mode: Mode::ExporterP2pdma,
+    },
+    ModeRow {
+        when: &[When::Pages(Pages::Generic), When::Iommu(false)],
+        mode: Mode::Generic,
+    },
+    ModeRow {
+        when: &[When::Pages(Pages::Generic)],
+        mode: Mode::Refused,
+    },
+    ModeRow {
+        when: &[When::Pages(Pages::P2pdma), When::Has("CONFIG_PCI_P2PDMA")],
+        mode: Mode::P2pdma,
+    },
+    ModeRow {
+        when: &[When::Pages(Pages::P2pdma)],
+        mode: Mode::Refused,
+    },
+    ModeRow {
+        when: &[When::Pages(Pages::Auto), When::Has("CONFIG_PCI_P2PDMA")],
+        mode: Mode::P2pdma,
+    },
+    ModeRow {
+        when: &[When::Pages(Pages::Auto), When::Iommu(false)],
+        mode: Mode::Generic,
+    },
+    ModeRow {
+        when: &[When::Pages(Pages::Auto)],
+        mode: Mode::Refused,
+    },
+];
+
+/// A row of [`SKIPS`].
+pub struct Skip {
+    /// `program::case`, `program::*` (every case of the program) or `program` (the program
+    /// skips as a whole).
+    pub cases: &'static [&'static str],
+    pub when: &'static [When],
+    /// How the skip reason starts: an errno's name, or the start of the message.
+    pub reason: &'static str,
+    /// Why they skip there.
+    pub why: &'static str,
+}
+
+/// The cases about huge PMD mappings of GPU memory.
+const PMD_CASES: &[&str] = &[
+    "fgds_revoke::no_pmd_in_a_mixedmap_mapping_of_two_extents",
+    "fgds_revoke::no_pmd_after_mremap_to_an_aligned_address",
+];
+
+/// The kernel options fgds_fault_inject needs.
+const FAULT_INJECTION: &[&str] = &[
+    "CONFIG_FAULT_INJECTION_DEBUG_FS",
+    "CONFIG_FAILSLAB",
+    "CONFIG_FAIL_PAGE_ALLOC",
+    "CONFIG_FAIL_MAKE_REQUEST",
+];
+
+/// The skips each configuration expects (see the module's documentation).
+pub const SKIPS: &[Skip] = &[
+    Skip {
+        cases: &["kmemleak"],
+        when: &[When::LacksAny(&["CONFIG_DEBUG_KMEMLEAK"])],
+        reason: "the kernel has no kmemleak",
+        why: "only the build:X.Y+debug kernels have kmemleak",
+    },
+    Skip {
+        cases: &["fgds_badinput::reg_udmabuf_einval"],
+        when: &[When::LacksAny(&["CONFIG_UDMABUF"])],
+        reason: "no /dev/udmabuf",
+        why: "the kernel has no udmabuf to make a dma-buf of system RAM (Debian 6.1)",
+    },
+    Skip {
+        cases: &["fgds_badinput::unsafe_setup_refused"],
+        when: &[When::Iommu(false)],
+        reason: "the GPU's DMA is not translated by an IOMMU",
+        why: "the case is about a translating IOMMU: it runs with --iommu",
+    },
+    Skip {
+        cases: &["fgds_fault_inject::*"],
+        when: &[When::LacksAny(FAULT_INJECTION)],
+        reason: "no fault-injection debugfs",
+        why: "only the build:X.Y+debug kernels have failslab, fail_page_alloc and \
+              fail_make_request",
+    },
+    Skip {
+        cases: PMD_CASES,
+        when: &[When::Mode(&[Mode::P2pdma, Mode::ExporterP2pdma])],
+        reason: "no PMD mappings with",
+        why: "P2PDMA pages are order-0 folios: fgds maps them with PTEs only",
+    },
+    Skip {
+        cases: PMD_CASES,
+        when: &[When::SeriesBelow(7, 0), When::Mode(&[Mode::Generic])],
+        reason: "no PMD mappings on",
+        why: "before 7.x fgds maps GENERIC folios with PTEs (a ZONE_DEVICE PMD is a devmap PMD, \
+              which GUP pins page by page)",
+    },
+    Skip {
+        cases: &[
+            "fgds_badinput::reg_bad_arguments",
+            "fgds_badinput::unreg_bad_arguments",
+            "fgds_badinput::mmap_bad_arguments",
+            "fgds_badinput::limit_buffers_per_file_emfile",
+            "fgds_badinput::limit_bytes_per_gpu_enospc",
+            "fgds_data::*",
+            "fgds_lifetime::*",
+            "fgds_host::*",
+            "rfc_client::rfc_round_trip",
+            "fgds_hotplug::*",
+            "fgds_fault_unload::*",
+            "fgds_fault_kill::*",
+            "fgds_fault_drive::*",
+            "fgds_fault_nvme_unplug::*",
+            "fgds_fault_gpu_unplug::*",
+            "fgds_fault_inject::*",
+            "fgds_revoke::*",
+            "fgds_badinput::limit_memlock_enomem",
+            "fgds_badinput::limit_bytes_per_user_enospc",
+            "fgds_cli",
+            "fgds_crate",
+        ],
+        when: &[When::Mode(&[Mode::Refused])],
+        reason: "EOPNOTSUPP",
+        why: "fgds refuses the setup by design (fgds_badinput::unsafe_setup_refused checks \
+              it), so nothing that needs a registration can run",
+    },
+];
+
+impl RunConfig {
+    /// The configuration of a run of `kernel` with test-vm's options.
+    pub fn new(
+        kernel: &Kernel,
+        pages: &str,
+        vgpu_mode: &str,
+        iommu: bool,
+    ) -> anyhow::Result<RunConfig> {
+        let text = std::fs::read(&kernel.config).map_err(|err| {
+            anyhow::format_err!(
+                "cannot read the kernel's config {}: {err}",
+                kernel.config.display()
+            )
+        })?;
+        let configs = String::from_utf8_lossy(&text)
+            .lines()
+            .filter_map(|l| {
+                let (option, value) = l.split_once('=')?;
+                matches!(value, "y" | "m").then(|| option.to_owned())
+            })
+            .collect();
+        Ok(RunConfig {
+            kernel: kernel.spec.clone(),
+            series: series(&kernel.release)?,
+            configs,
+            pages: match pages {
+                "auto" => Pages::Auto,
+                "p2pdma" => Pages::P2pdma,
+                "generic" => Pages::Generic,
+                other => anyhow::bail!("fgds pages={other}: use auto, p2pdma or generic"),
+            },
+            vgpu_mode: match vgpu_mode {
+                "plain" => VgpuMode::Plain,
+                "p2pdma" => VgpuMode::P2pdma,
+                other => anyhow::bail!("--vgpu-mode {other}: use plain or p2pdma"),
+            },
+            iommu,
+            exporter: Exporter::Vgpu,
+        })
+    }
+
+    /// One line for a person: `debian:6.12 pages=auto vgpu=plain iommu=off exporter=vgpu`.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} pages={} vgpu={} iommu={} exporter={}",
+            self.kernel,
+            format!("{:?}", self.pages).to_lowercase(),
+            format!("{:?}", self.vgpu_mode).to_lowercase(),
+            if self.iommu { "on" } else { "off" },
+            format!("{:?}", self.exporter).to_lowercase(),
+        )
+    }
+
+    fn holds(&self, when: &When) -> bool {
+        match *when {
+            When::SeriesBelow(major, minor) => self.series < (major, minor),
+            When::Has(option) => self.configs.contains(option),
+            When::LacksAny(options) => options.iter().any(|o| !self.configs.contains(*o)),
+            When::Pages(pages) => self.pages == pages,
+            When::VgpuMode(mode) => self.vgpu_mode == mode,
+            When::Iommu(on) => self.iommu == on,
+            When::Mode(modes) => mode(self).is_ok_and(|m| modes.contains(&m)),
+        }
+    }
+
+    fn all(&self, when: &[When]) -> bool {
+        when.iter().all(|w| self.holds(w))
+    }
+}
+
+/// `6.12.118+deb12-amd64` -> (6, 12).
+fn series(release: &str) -> anyhow::Result<(u32, u32)> {
+    let mut parts = release.split(['.', '-', '+']);
+    let mut number = || parts.next().and_then(|p| p.parse().ok());
+    match (number(), number()) {
+        (Some(major), Some(minor)) => Ok((major, minor)),
+        _ => anyhow::bail!("kernel release {release:?} does not start with a series like 6.12"),
+    }
+}
+
+/// The mode `config` implies ([`MODES`]); an error for a configuration the rig cannot run.
+pub fn mode(config: &RunConfig) -> anyhow::Result<Mode> {
+    if config.vgpu_mode == VgpuMode::P2pdma && !config.configs.contains("CONFIG_PCI_P2PDMA") {
+        anyhow::bail!(
+            "vgpu mode=p2pdma needs a kernel with CONFIG_PCI_P2PDMA, which {} lacks: use \
+             --vgpu-mode plain or a 7.x or build: kernel",
+            config.kernel
+        );
+    }
+    MODES
+        .iter()
+        .find(|row| config.all(row.when))
+        .map(|row| row.mode)
+        .ok_or_else(|| {
+            anyhow::format_err!(
+                "no row of xtask/src/expected.rs MODES matches {}",
+                config.describe()
+            )
+        })
+}
+
+/// Whether `key` (`program::case` or `program`) is one of `pattern`'s cases.
+fn names(pattern: &str, key: &str) -> bool {
+    match pattern.strip_suffix("::*") {
+        Some(program) => key
+            .strip_prefix(program)
+            .is_some_and(|rest| rest.starts_with("::")),
+        None => pattern == key,
+    }
+}
+
+/// Applies [`SKIPS`] to a run's verdicts. `label` prefixes every name (`debian-6.12`);
+/// `covered` names the programs the table speaks for (the default suite's and the rig's own
+/// `setup` and `kmemleak`). Returns how many skips were expected.
+pub fn apply(
+    config: &RunConfig,
+    label: &str,
+    covered: &[String],
+    outcomes: &mut [Outcome],
+) -> usize {
+    let rows = SKIPS
+        .iter()
+        .filter(|row| config.all(row.when))
+        .collect::<Vec<_>>();
+    let mut expected = 0;
+    for outcome in outcomes.iter_mut() {
+        let Some(key) = outcome
+            .name
+            .strip_prefix(label)
+            .and_then(|k| k.strip_prefix("::"))
+        else {
+            continue;
+        };
+        let program = key.split("::").next().unwrap_or(key);
+        if !covered.iter().any(|c| c == program) {
+            continue;
+        }
+        let listed = rows
+            .iter()
+            .filter(|row| row.cases.iter().any(|p| names(p, key)))
+            .collect::<Vec<_>>();
+        let verdict = match (&outcome.verdict, listed.as_slice()) {
+            (Verdict::Fail(_), _) | (Verdict::Pass, []) => continue,
+            (Verdict::Skip(reason), []) => Verdict::Fail(format!(
+                "unexpected skip ({reason}): no row of the expected-outcome table \
+                 (xtask/src/expected.rs) lets {key} skip in {}; fix the cause, or add a row \
+                 naming the errno if the skip is by design",
+                config.describe()
+            )),
+            (Verdict::Skip(reason), rows) => {
+                if rows.iter().any(|row| reason.starts_with(row.reason)) {
+                    expected += 1;
+                    continue;
+                }
+                Verdict::Fail(format!(
+                    "skipped with {reason:?}, but in {} the expected-outcome table \
+                     (xtask/src/expected.rs) allows only {}",
+                    config.describe(),
+                    allowed(rows)
+                ))
+            }
+            (Verdict::Pass, rows) => Verdict::Fail(format!(
+                "passed, but the expected-outcome table (xtask/src/expected.rs) says it skips \
+                 in {} with {}: the table is stale, change its row",
+                config.describe(),
+                allowed(rows)
+            )),
+        };
+        outcome.verdict = verdict;
+    }
+    expected
+}
+
+fn allowed(rows: &[&&Skip]) -> String {
+    rows.iter()
+        .map(|row| format!("{:?} ({})", row.reason, row.why))
+        .collect::<Vec<_>>()
+        .join(" or ")
+}
+
+/// The verdict on fgds's mode: every `# fgds-report: fgds mode=M` the guest printed must say
+/// the mode `config` implies. None where the run had no fgds program and nothing reported.
+pub fn mode_outcome(
+    config: &RunConfig,
+    label: &str,
+    ktap: &str,
+    fgds_planned: bool,
+) -> Option<Outcome> {
+    let reported = ktap
+        .lines()
+        .filter_map(|l| l.split("fgds-report: fgds mode=").nth(1))
+        .filter_map(|rest| rest.split_whitespace().next())
+        .collect::<BTreeSet<_>>();
+    if reported.is_empty() && !fgds_planned {
+        return None;
+    }
+    let verdict = match mode(config) {
+        Err(err) => Verdict::Fail(format!("{err:#}")),
+        Ok(want) if reported.iter().all(|m| *m == want.sysfs()) && !reported.is_empty() => {
+            Verdict::Pass
+        }
+        Ok(want) if reported.is_empty() => Verdict::Fail(format!(
+            "no program reported fgds's mode (`# fgds-report: fgds mode=`); {} implies {}",
+            config.describe(),
+            want.sysfs()
+        )),
+        Ok(want) => Verdict::Fail(format!(
+            "fgds showed mode {} (sysfs `mode`), but {} implies {} (xtask/src/expected.rs \
+             MODES)",
+            reported.into_iter().collect::<Vec<_>>().join(" and "),
+            config.describe(),
+            want.sysfs()
+        )),
+    };
+    Some(Outcome {
+        name: format!("{label}::mode"),
+        verdict,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(series: (u32, u32), configs: &[&str], pages: Pages, iommu: bool) -> RunConfig {
+        RunConfig {
+            kernel: format!("debian:{}.{}", series.0, series.1),
+            series,
+            configs: configs.iter().map(|c| (*c).to_owned()).collect(),
+            pages,
+            vgpu_mode: VgpuMode::Plain,
+            iommu,
+            exporter: Exporter::Vgpu,
+        }
+    }
+
+    fn stock_612() -> RunConfig {
+        config((6, 12), &["CONFIG_UDMABUF"], Pages::Auto, false)
+    }
+
+    fn outcome(name: &str, verdict: Verdict) -> Outcome {
+        Outcome {
+            name: format!("k::{name}"),
+            verdict,
+        }
+    }
+
+    fn covered() -> Vec<String> {
+        [
+            "kmemleak",
+            "fgds_data",
+            "fgds_badinput",
+            "fgds_crate",
+            "fgds_revoke",
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    }
+
+    #[test]
+    fn modes_follow_the_configuration() {
+        let p2p = &["CONFIG_PCI_P2PDMA"];
+        let cases = [
+            (config((6, 12), &[], Pages::Auto, false), Mode::Generic),
+            (config((6, 12), &[], Pages::Auto, true), Mode::Refused),
+            (config((6, 12), &[], Pages::P2pdma, false), Mode::Refused),
+            (config((7, 3), p2p, Pages::Auto, false), Mode::P2pdma),
+            (config((7, 3), p2p, Pages::Auto, true), Mode::P2pdma),
+            (config((7, 3), p2p, Pages::Generic, false), Mode::Generic),
+            (config((7, 3), p2p, Pages::P2pdma, false), Mode::P2pdma),
+            (config((7, 3), p2p, Pages::Generic, true), Mode::Refused),
+        ];
+        for (c, want) in cases {
+            assert_eq!(mode(&c).unwrap(), want, "{}", c.describe());
+        }
+        let exporter = RunConfig {
+            vgpu_mode: VgpuMode::P2pdma,
+            ..config((7, 3), p2p, Pages::Generic, false)
+        };
+        assert_eq!(mode(&exporter).unwrap(), Mode::ExporterP2pdma);
+        let impossible = RunConfig {
+            vgpu_mode: VgpuMode::P2pdma,
+            ..config((6, 12), &[], Pages::Auto, false)
+        };
+        assert!(mode(&impossible).is_err());
+    }
+
+    #[test]
+    fn expected_skips_stay_skips_and_others_fail() {
+        let mut out = vec![
+            outcome(
+                "kmemleak",
+                Verdict::Skip("the kernel has no kmemleak".into()),
+            ),
+            outcome(
+                "fgds_data::io_uring_registered_buffers_refused",
+                Verdict::Skip("EFAULT: io_uring refuses".into()),
+            ),
+            outcome("fgds_data::mode_reported", Verdict::Pass),
+            outcome("exec:mine::x", Verdict::Skip("whatever".into())),
+        ];
+        let expected = apply(&stock_612(), "k", &covered(), &mut out);
+        assert_eq!(expected, 1);
+        assert!(matches!(out[0].verdict, Verdict::Skip(_)));
+        let Verdict::Fail(msg) = &out[1].verdict else {
+            panic!("a skip of the io_uring case is in no row of the table")
+        };
+        assert!(msg.contains("unexpected skip"), "{msg}");
+        assert!(matches!(out[2].verdict, Verdict::Pass));
+        assert!(
+            matches!(out[3].verdict, Verdict::Skip(_)),
+            "--exec programs are not the table's"
+        );
+    }
+
+    #[test]
+    fn a_skip_with_another_errno_fails() {
+        let p2pdma = config((7, 3), &["CONFIG_PCI_P2PDMA"], Pages::P2pdma, false);
+        let mut out = vec![
+            outcome(
+                "fgds_revoke::no_pmd_after_mremap_to_an_aligned_address",
+                Verdict::Skip("no PMD mappings with p2pdma pages (order-0 folios)".into()),
+            ),
+            outcome(
+                "fgds_revoke::no_pmd_in_a_mixedmap_mapping_of_two_extents",
+                Verdict::Skip("no PMD mappings on 6.12".into()),
+            ),
+        ];
+        apply(&p2pdma, "k", &covered(), &mut out);
+        assert!(matches!(out[0].verdict, Verdict::Skip(_)));
+        let Verdict::Fail(msg) = &out[1].verdict else {
+            panic!("that reason is not the one the table allows there")
+        };
+        assert!(
+            msg.contains("allows only \"no PMD mappings with\""),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn a_listed_case_that_passes_fails_as_stale() {
+        let refused = config((6, 12), &["CONFIG_UDMABUF"], Pages::Auto, true);
+        let mut out = vec![
+            outcome("fgds_data::gpu_to_nvme_pwrite", Verdict::Pass),
+            outcome(
+                "fgds_badinput::reg_closed_fd_ebadf",
+                Verdict::Pass, // needs no registration: not listed
+            ),
+            outcome(
+                "fgds_crate",
+                Verdict::Skip("EOPNOTSUPP: fgds refuses this setup".into()),
+            ),
+        ];
+        let expected = apply(&refused, "k", &covered(), &mut out);
+        let Verdict::Fail(msg) = &out[0].verdict else {
+            panic!("a pass where the table expects a skip must fail")
+        };
+        assert!(msg.contains("stale"), "{msg}");
+        assert!(matches!(out[1].verdict, Verdict::Pass));
+        assert!(matches!(out[2].verdict, Verdict::Skip(_)));
+        assert_eq!(expected, 1);
+    }
+
+    #[test]
+    fn a_wrong_or_missing_mode_fails_the_mode_case() {
+        let c = stock_612();
+        let ok = "  # fgds-report: fgds mode=generic\n";
+        let ok = mode_outcome(&c, "k", ok, true).expect("an outcome");
+        assert!(matches!(ok.verdict, Verdict::Pass));
+        assert_eq!(ok.name, "k::mode");
+        let wrong = "  # fgds-report: fgds mode=generic\n  # fgds-report: fgds mode=p2pdma\n";
+        let Some(Outcome {
+            verdict: Verdict::Fail(msg),
+            ..
+        }) = mode_outcome(&c, "k", wrong, true)
+        else {
+            panic!("a wrong mode must fail")
+        };
+        assert!(msg.contains("implies generic"), "{msg}");
+        assert!(matches!(
+            mode_outcome(&c, "k", "", true).map(|o| o.verdict),
+            Some(Verdict::Fail(_))
+        ));
+        assert!(mode_outcome(&c, "k", "", false).is_none());
+    }
+
+    #[test]
+    fn release_series() {
+        assert_eq!(series("6.12.118+deb12-amd64").unwrap(), (6, 12));
+        assert_eq!(series("7.3.0-1-amd64").unwrap(), (7, 3));
+        assert_eq!(series("6.12.57-fgds-debug").unwrap(), (6, 12));
+        assert!(series("linux").is_err());
+    }
+
+    /// Every case a row names is a case of a program of the default suite (by its name in the
+    /// program's source), so that a renamed case cannot leave a row that never applies.
+    #[test]
+    fn rows_name_cases_that_exist() {
+        let root = crate::project_root();
+        let suite = std::fs::read_to_string(root.join("tests/suite.txt")).unwrap();
+        let programs = suite
+            .lines()
+            .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
+            .filter_map(|l| l.split_whitespace().next())
+            .collect::<Vec<_>>();
+        for row in SKIPS {
+            for case in row.cases {
+                if *case == "kmemleak" {
+                    continue;
+                }
+                let (program, name) = case.split_once("::").unwrap_or((case, "*"));
+                let source = match programs
+                    .iter()
+                    .find(|p| p.trim_end_matches(".c") == program)
+                {
+                    Some(p) if p.ends_with(".c") => root.join("tests/c").join(p),
+                    Some(_) => root.join(format!("tests/src/bin/{program}.rs")),
+                    None => panic!("{case}: {program} is not in tests/suite.txt"),
+                };
+                let text = std::fs::read_to_string(&source).unwrap();
+                // A Rust program names its cases as string literals, the C client in its
+                // result lines (`ok 1 name`).
+                assert!(
+                    name == "*"
+                        || text.contains(&format!("\"{name}\""))
+                        || text.contains(&format!(" {name}\\n")),
+                    "{case}: {} names no case {name}",
+                    source.display()
+                );
+            }
+        }
+    }
+}
