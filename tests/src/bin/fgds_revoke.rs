@@ -264,6 +264,8 @@ fn held_read_never_lands_after_revocation() -> CaseResult {
     // The exporter reuses the memory: anything of the read landing from now on would show.
     vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
     std::thread::sleep(Duration::from_millis(500));
+    ctl::gpu_check(bar_off, LEN, SEED_SENTINEL)
+        .context("the host's look at GPU memory after the exporter reused it")?;
     drop(map);
     drop(node);
     drop(dmabuf);
