@@ -63,6 +63,8 @@ struct Api {
     memset_d8: unsafe extern "C" fn(DevicePtr, u8, usize) -> CuResult,
     memcpy_dtoh: unsafe extern "C" fn(*mut c_void, DevicePtr, usize) -> CuResult,
     memcpy_htod: unsafe extern "C" fn(DevicePtr, *const c_void, usize) -> CuResult,
+    mem_host_register: unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CuResult,
+    mem_host_unregister: unsafe extern "C" fn(*mut c_void) -> CuResult,
     get_handle_for_address_range:
         unsafe extern "C" fn(*mut c_void, DevicePtr, usize, c_int, u64) -> CuResult,
     get_error_name: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
@@ -110,6 +112,8 @@ impl Api {
             memset_d8: sym!("cuMemsetD8_v2"),
             memcpy_dtoh: sym!("cuMemcpyDtoH_v2"),
             memcpy_htod: sym!("cuMemcpyHtoD_v2"),
+            mem_host_register: sym!("cuMemHostRegister_v2"),
+            mem_host_unregister: sym!("cuMemHostUnregister"),
             get_handle_for_address_range: sym!("cuMemGetHandleForAddressRange"),
             get_error_name: sym!("cuGetErrorName"),
             get_error_string: sym!("cuGetErrorString"),
@@ -127,12 +131,12 @@ impl Api {
             // SAFETY: the driver stores a pointer to a static string, or leaves it untouched
             // and returns an error for an unknown code.
             let ok = unsafe { f(res, &mut ptr) } == CUDA_SUCCESS && !ptr.is_null();
+            if !ok {
+                return None;
+            }
             // SAFETY: on success `ptr` is a NUL-terminated string the driver never frees.
-            ok.then(|| {
-                unsafe { CStr::from_ptr(ptr) }
-                    .to_string_lossy()
-                    .into_owned()
-            })
+            let text = unsafe { CStr::from_ptr(ptr) };
+            Some(text.to_string_lossy().into_owned())
         };
         Err(Error::Cuda {
             call,
@@ -352,6 +356,25 @@ impl Device {
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
+    /// Page-locks `len` bytes of host memory at `ptr` for CUDA's copies (`cuMemHostRegister`),
+    /// as a CUDA program does with its bounce buffers; unlocked when the returned value is
+    /// dropped.
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` must be a mapping of this process that outlives the returned value.
+    pub unsafe fn register_host(&self, ptr: *mut u8, len: usize) -> Result<HostRegistration> {
+        self.context.make_current()?;
+        // SAFETY: the caller guarantees the range is mapped for the registration's life;
+        // flags 0 is a plain page-locked registration.
+        let res = unsafe { (self.api().mem_host_register)(ptr.cast(), len, 0) };
+        self.api().check("cuMemHostRegister", res)?;
+        Ok(HostRegistration {
+            context: Arc::clone(&self.context),
+            ptr: ptr.cast(),
+        })
+    }
+
     /// The fgds node of this GPU (found by PCI bus id), opened.
     pub fn fgds_gpu(&self) -> Result<Gpu> {
         Gpu::open(&self.pci_bus_id()?)
@@ -437,6 +460,28 @@ impl Drop for DeviceMemory {
         if self.context.make_current().is_ok() {
             // SAFETY: frees the allocation this value owns; nothing uses `ptr` afterwards.
             let _ = unsafe { (self.context.api.mem_free)(self.ptr) };
+        }
+    }
+}
+
+/// Host memory page-locked for CUDA ([`Device::register_host`]), unlocked on drop.
+pub struct HostRegistration {
+    context: Arc<Context>,
+    ptr: *mut c_void,
+}
+
+// SAFETY: a registration is an address the driver knows; unregistering works from any thread
+// once the context is current.
+unsafe impl Send for HostRegistration {}
+// SAFETY: `&HostRegistration` gives nothing access to the memory.
+unsafe impl Sync for HostRegistration {}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if self.context.make_current().is_ok() {
+            // SAFETY: unregisters the range this value registered; the memory is still mapped
+            // (`register_host`'s contract).
+            let _ = unsafe { (self.context.api.mem_host_unregister)(self.ptr) };
         }
     }
 }

@@ -761,6 +761,16 @@ fn verdict(report: &Report) -> Verdict {
     }
 }
 
+/// The page mode of `gpu`: what sysfs says, or what fgds would choose, or why it would refuse.
+fn pages(report: &Report, gpu: &GpuReport) -> String {
+    let shown = gpu.node.as_ref().is_some_and(|n| n.mode != "none");
+    match predicted_mode(report, gpu) {
+        Ok(mode) if shown => mode,
+        Ok(mode) => format!("{mode} (what fgds would choose here)"),
+        Err(why) => format!("refused: {why}"),
+    }
+}
+
 fn size(bytes: u64) -> String {
     match bytes {
         b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
@@ -851,6 +861,7 @@ impl Report {
                     None => "none".to_owned(),
                 },
             );
+            line("  pages", pages(self, g));
             if let Some(c) = &g.cuda {
                 line(
                     "  cuda",
@@ -954,6 +965,7 @@ impl Report {
                     "dev_gid": n.dev.map(|(_, g)| g),
                     "accessible": n.accessible,
                 })),
+                "pages": pages(self, g),
                 "cuda": g.cuda.as_ref().map(cuda),
                 "paths": g.paths.iter().map(|(d, m)| json!({"drive": d, "meet": m})).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),

@@ -339,19 +339,26 @@ enum Target {
         buffer: fgds::Buffer,
         _dmabuf: crate::Dmabuf,
     },
+    /// The GPU side is dropped before the RAM it may have pinned.
     Bounce {
-        ram: Anon,
         gpu: BounceCopy,
-        _dmabuf: crate::Dmabuf,
+        ram: Anon,
     },
     P2pmem(Anon),
 }
 
 /// How `bounce` copies between RAM and the GPU: through the exporter's CPU mapping of the
-/// dma-buf, or with CUDA's copies (a CUDA dma-buf has no CPU mapping).
+/// dma-buf, or with CUDA's copies from RAM it pinned (as a CUDA program's loader would; a
+/// CUDA dma-buf has no CPU mapping, and this needs no fgds).
 enum BounceCopy {
-    Mapping(CpuMapping),
-    Cuda,
+    Mapping {
+        map: CpuMapping,
+        _dmabuf: crate::Dmabuf,
+    },
+    Cuda {
+        _pinned: fgds::cuda::HostRegistration,
+        memory: fgds::cuda::DeviceMemory,
+    },
 }
 
 impl Target {
@@ -410,19 +417,27 @@ fn make_target(mode: &str, opts: &Options, len: usize) -> anyhow::Result<Target>
             })
         }
         "bounce" => {
-            let (_, dmabuf) = crate::resolve(&opts.source, len as u64)?;
-            let gpu = match dmabuf.cuda {
-                Some(_) => BounceCopy::Cuda,
-                None => BounceCopy::Mapping(
-                    CpuMapping::new(dmabuf.fd(), len)
-                        .context("the exporter's CPU mapping of the dma-buf")?,
-                ),
+            let ram = anon(len)?;
+            let gpu = match opts.source.cuda {
+                Some(ordinal) => {
+                    let device = fgds::cuda::Cuda::load()?.device(ordinal)?;
+                    BounceCopy::Cuda {
+                        // SAFETY: `ram` is a live mapping of `len` bytes, and the
+                        // registration is dropped before it (field order of `Target::Bounce`).
+                        _pinned: unsafe { device.register_host(ram.ptr, len) }?,
+                        memory: device.alloc(len as u64)?,
+                    }
+                }
+                None => {
+                    let (_, dmabuf) = crate::resolve(&opts.source, len as u64)?;
+                    BounceCopy::Mapping {
+                        map: CpuMapping::new(dmabuf.fd(), len)
+                            .context("the exporter's CPU mapping of the dma-buf")?,
+                        _dmabuf: dmabuf,
+                    }
+                }
             };
-            Ok(Target::Bounce {
-                ram: anon(len)?,
-                gpu,
-                _dmabuf: dmabuf,
-            })
+            Ok(Target::Bounce { gpu, ram })
         }
         "p2pmem" => p2pmem(opts, len).map(Target::P2pmem),
         _ => unreachable!("modes are checked in run"),
@@ -789,7 +804,7 @@ fn thread_io(
             // SAFETY: `at..at+bs` is inside both mappings (same length), and this
             // thread's slot is not in flight.
             let dst = unsafe { std::slice::from_raw_parts_mut(ram.ptr.add(at), bs) };
-            bounce_copy(target, gpu, at, BounceDir::FromGpu(dst))?;
+            bounce_copy(gpu, at, BounceDir::FromGpu(dst))?;
         }
         let len = bs as u32;
         let sqe = match (write, fixed) {
@@ -835,7 +850,7 @@ fn thread_io(
                 let at = region_offset + slot_offset(slot, bs, region);
                 // SAFETY: as above; the request into this slot has completed.
                 let src = unsafe { std::slice::from_raw_parts(ram.ptr.add(at), bs) };
-                bounce_copy(target, gpu, at, BounceDir::ToGpu(src))?;
+                bounce_copy(gpu, at, BounceDir::ToGpu(src))?;
             }
             latencies.push(issued_at[slot].elapsed());
             if more(next) {
@@ -856,30 +871,15 @@ enum BounceDir<'a> {
 }
 
 /// Copies between RAM and the GPU's memory at offset `at` of the bounce target.
-fn bounce_copy(
-    target: &Target,
-    gpu: &BounceCopy,
-    at: usize,
-    dir: BounceDir<'_>,
-) -> anyhow::Result<()> {
+fn bounce_copy(gpu: &BounceCopy, at: usize, dir: BounceDir<'_>) -> anyhow::Result<()> {
     match (gpu, dir) {
-        (BounceCopy::Mapping(map), BounceDir::ToGpu(src)) => map.write(at, src),
-        (BounceCopy::Mapping(map), BounceDir::FromGpu(dst)) => map.read(at, dst),
-        (BounceCopy::Cuda, dir) => {
-            let Target::Bounce {
-                _dmabuf:
-                    crate::Dmabuf {
-                        cuda: Some(memory), ..
-                    },
-                ..
-            } = target
-            else {
-                bail!("a CUDA bounce target without CUDA memory");
-            };
-            match dir {
-                BounceDir::ToGpu(src) => memory.copy_from_host(at as u64, src)?,
-                BounceDir::FromGpu(dst) => memory.copy_to_host(at as u64, dst)?,
-            }
+        (BounceCopy::Mapping { map, .. }, BounceDir::ToGpu(src)) => map.write(at, src),
+        (BounceCopy::Mapping { map, .. }, BounceDir::FromGpu(dst)) => map.read(at, dst),
+        (BounceCopy::Cuda { memory, .. }, BounceDir::ToGpu(src)) => {
+            memory.copy_from_host(at as u64, src)?
+        }
+        (BounceCopy::Cuda { memory, .. }, BounceDir::FromGpu(dst)) => {
+            memory.copy_to_host(at as u64, dst)?
         }
     }
     Ok(())

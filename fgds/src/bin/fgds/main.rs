@@ -160,11 +160,11 @@ fn doctor(json: bool) -> anyhow::Result<()> {
 }
 
 /// A dma-buf to register: inherited, allocated from vgpu (kept alive by `owned`), or exported
-/// from CUDA memory (kept allocated by `cuda`: drop the registration first).
+/// from CUDA memory (kept allocated by `_cuda`: drop the registration first).
 pub struct Dmabuf {
     owned: Option<OwnedFd>,
     raw: i32,
-    pub cuda: Option<fgds::cuda::DeviceMemory>,
+    _cuda: Option<fgds::cuda::DeviceMemory>,
 }
 
 impl Dmabuf {
@@ -197,7 +197,7 @@ pub fn resolve(source: &Source, len: u64) -> anyhow::Result<(Gpu, Dmabuf)> {
         (Some(raw), None) => Dmabuf {
             owned: None,
             raw,
-            cuda: None,
+            _cuda: None,
         },
         (None, Some(n)) => {
             let dev = fgds::vgpu::open(n)?;
@@ -205,7 +205,7 @@ pub fn resolve(source: &Source, len: u64) -> anyhow::Result<(Gpu, Dmabuf)> {
             Dmabuf {
                 owned: Some(fd),
                 raw: -1,
-                cuda: None,
+                _cuda: None,
             }
         }
         _ => bail!(
@@ -238,7 +238,7 @@ fn resolve_cuda(ordinal: i32, gpu: Option<&str>, len: u64) -> anyhow::Result<(Gp
         Dmabuf {
             owned: Some(fd),
             raw: -1,
-            cuda: Some(memory),
+            _cuda: Some(memory),
         },
     ))
 }
