@@ -589,8 +589,10 @@ fn drives(root: &Path) -> Vec<Drive> {
     drives
 }
 
-/// The page mode fgds would choose for `gpu` (docs/driver.md, Page providers), or why it
-/// would refuse.
+/// The page mode fgds would choose for `gpu` (its `pages=` rule: P2PDMA pages where the
+/// kernel has `CONFIG_PCI_P2PDMA` or `pages=p2pdma`, else GENERIC pages where DMA reaches them
+/// as it would P2PDMA pages; docs/driver.md, Page providers), or why it would refuse.
+/// Not seen from userspace: memory encryption, and whether a host bridge routes P2P.
 fn predicted_mode(report: &Report, gpu: &GpuReport) -> Result<String, String> {
     if let Some(node) = &gpu.node
         && node.mode != "none"
@@ -612,29 +614,41 @@ fn predicted_mode(report: &Report, gpu: &GpuReport) -> Result<String, String> {
         .params
         .get("pages")
         .map_or("auto", String::as_str);
-    let translated = std::iter::once(&gpu.iommu)
-        .chain(report.drives.iter().map(|d| &d.iommu))
-        .any(Iommu::translates);
-    let bounced = report.cmdline.iter().any(|w| w == "swiotlb=force");
-    let generic_unsafe = match (translated, bounced) {
-        (true, _) => Some("an IOMMU translates the GPU's or a drive's DMA"),
-        (_, true) => Some("swiotlb=force bounces the drives' DMA"),
-        _ => None,
+    match (pages, p2pdma) {
+        ("p2pdma", Some(true)) | ("auto", Some(true)) => return Ok("p2pdma".to_owned()),
+        ("p2pdma", _) => {
+            return Err(
+                "fgds is loaded with pages=p2pdma but the kernel has no CONFIG_PCI_P2PDMA: load it with pages=auto"
+                    .to_owned(),
+            );
+        }
+        ("auto", None) => {
+            return Err(format!(
+                "whether the kernel has CONFIG_PCI_P2PDMA is unknown (no /boot/config-{} or /proc/config.gz), and with it the page mode",
+                report.kernel
+            ));
+        }
+        _ => {}
+    }
+    // GENERIC pages: only where DMA reaches them as it would reach P2PDMA pages.
+    let why = if gpu.iommu.translates() {
+        Some(format!("an IOMMU translates the DMA of GPU {}", gpu.bdf))
+    } else if let Some(d) = report.drives.iter().find(|d| d.iommu.translates()) {
+        Some(format!("an IOMMU translates the DMA of {}", d.name))
+    } else if report.cmdline.iter().any(|w| w == "swiotlb=force") {
+        Some("swiotlb=force bounces the drives' DMA".to_owned())
+    } else {
+        None
     };
-    match (pages, generic_unsafe, p2pdma) {
-        ("p2pdma", _, Some(true)) => Ok("p2pdma".to_owned()),
-        ("p2pdma", _, _) => Err(
-            "fgds is loaded with pages=p2pdma but the kernel has no CONFIG_PCI_P2PDMA".to_owned(),
-        ),
-        (_, None, _) => Ok("generic".to_owned()),
-        ("generic", Some(why), _) => Err(format!("fgds is loaded with pages=generic but {why}")),
-        (_, Some(_), Some(true)) => Ok("p2pdma".to_owned()),
-        (_, Some(why), Some(false)) => Err(format!(
-            "{why}, and the kernel has no CONFIG_PCI_P2PDMA to map P2PDMA pages through it: fgds would refuse (set the IOMMU to passthrough, iommu=pt, or use a kernel with CONFIG_PCI_P2PDMA)"
-        )),
-        (_, Some(why), None) => Err(format!(
-            "{why}, and whether the kernel has CONFIG_PCI_P2PDMA is unknown (no /boot/config-{0} or /proc/config.gz)",
-            report.kernel
+    match why {
+        None => Ok("generic".to_owned()),
+        Some(why) => Err(format!(
+            "{why}, so GENERIC pages are not safe, and {}: fgds would refuse (set the IOMMU to passthrough, iommu=pt, or use a kernel with CONFIG_PCI_P2PDMA)",
+            if pages == "generic" {
+                "fgds is loaded with pages=generic"
+            } else {
+                "the kernel has no CONFIG_PCI_P2PDMA for P2PDMA pages"
+            }
         )),
     }
 }
@@ -723,20 +737,20 @@ fn verdict(report: &Report) -> Verdict {
         });
     }
     let mode = gpu.and_then(|g| predicted_mode(report, g).ok());
-    if mode.as_deref() == Some("p2pdma") || mode.as_deref() == Some("exporter-p2pdma") {
-        if pcie.iter().all(|d| d.p2p == P2pSupport::NotShown) && !pcie.is_empty() {
-            blockers.push(
-                "no NVMe queue accepts P2PDMA pages (debugfs state lacks PCI_P2PDMA)".to_owned(),
-            );
-        }
-        if let Some(gpu) = gpu {
-            for (drive, meet) in &gpu.paths {
-                if meet == "the host bridge" {
-                    notes.push(format!(
-                        "{} and {drive} meet at the host bridge: the kernel allows P2P there only for host bridges on its list (pci_p2pdma_distance)",
-                        gpu.bdf
-                    ));
-                }
+    if (mode.as_deref() == Some("p2pdma") || mode.as_deref() == Some("exporter-p2pdma"))
+        && !pcie.is_empty()
+        && pcie.iter().all(|d| d.p2p == P2pSupport::NotShown)
+    {
+        blockers
+            .push("no NVMe queue accepts P2PDMA pages (debugfs state lacks PCI_P2PDMA)".to_owned());
+    }
+    if let Some(gpu) = gpu {
+        for (drive, meet) in &gpu.paths {
+            if meet == "the host bridge" {
+                notes.push(format!(
+                    "{} and {drive} meet at the host bridge, which routes P2P only on an AMD Zen CPU or a root complex on the kernel's list: where it does not, fgds refuses (and P2PDMA I/O fails)",
+                    gpu.bdf
+                ));
             }
         }
     }
@@ -1288,12 +1302,13 @@ mod tests {
         assert_eq!(report.drives[0].p2p, P2pSupport::Shown);
         assert!(report.gpus[0].iommu.translates());
         assert_eq!(report.gpus[0].paths[0].1, "the host bridge");
+        assert!(v_notes_mention_host_bridge(&report));
         let v = &report.verdict;
         assert!(!v.direct);
         assert!(
             v.blockers
                 .iter()
-                .any(|b| b.contains("no CONFIG_PCI_P2PDMA to map P2PDMA pages through it")),
+                .any(|b| b.starts_with("an IOMMU translates the DMA of GPU 0000:05:00.0, so GENERIC pages are not safe, and the kernel has no CONFIG_PCI_P2PDMA")),
             "{:?}",
             v.blockers
         );
@@ -1303,6 +1318,14 @@ mod tests {
                 .iter()
                 .any(|b| b.contains("fgds has no node for GPU 0000:05:00.0"))
         );
+    }
+
+    fn v_notes_mention_host_bridge(report: &Report) -> bool {
+        report
+            .verdict
+            .notes
+            .iter()
+            .any(|n| n.contains("meet at the host bridge"))
     }
 
     #[test]
