@@ -246,13 +246,18 @@ fn build_dkms(root: &Path, out: &Path, version: &str) -> anyhow::Result<PathBuf>
     // The module's own sources and headers; not vgpu (the rig's exporter) nor the top-level
     // Kbuild that builds it: dkms.conf builds driver/fgds/ as the external module.
     let mut sources = Vec::new();
-    for dir in ["fgds", "include"] {
+    for dir in ["fgds", "include", "configure"] {
         collect_files(&driver, &driver.join(dir), &mut sources)?;
     }
     // The rig's exporter's header (include/uapi/linux/vgpu.h) stays out too.
     sources.retain(|f| {
-        (f.ends_with(".c") && !f.ends_with(".mod.c") || f.ends_with(".h") || f.ends_with("Kbuild"))
+        (f.ends_with(".c") && !f.ends_with(".mod.c")
+            || f.ends_with(".h")
+            || f.ends_with("Kbuild")
+            || f.ends_with("conftest.sh")
+            || f.ends_with("conftest.mk"))
             && !f.ends_with("vgpu.h")
+            && !f.ends_with("fgds_config.h")
     });
     sources.sort();
     for rel in &sources {

@@ -296,7 +296,10 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         eprintln!("  {line}");
     }
     eprintln!("  phases: {}", phases.summary());
-    let mut outcomes = vec![driver::build_outcome(&label, &build)];
+    let mut outcomes = vec![
+        driver::build_outcome(&label, &build),
+        driver::probes_outcome(&label, &kernel, &build),
+    ];
     outcomes.extend(dkms_outcome);
     outcomes.extend(report::outcomes(&report::RunArtifacts {
         label: &label,
