@@ -70,7 +70,7 @@ fn out_dir() -> PathBuf {
 
 /// Builds `fgds-dkms` (and `fgds`, with `cli`) into target/package/.
 pub fn build(cli: bool) -> anyhow::Result<Packages> {
-    host::ensure_packages(&["dpkg-dev", "lintian", "dkms", "binutils", "gzip"])?;
+    host::ensure_packages_without_recommends(&["dpkg-dev", "lintian", "dkms", "binutils", "gzip"])?;
     let root = crate::project_root();
     let version = crate_version(&root)?;
     let conf = std::fs::read_to_string(root.join("driver/dkms.conf"))?;
