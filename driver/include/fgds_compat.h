@@ -1,14 +1,20 @@
 /* SPDX-License-Identifier: GPL-2.0 */
 /*
- * Kernel-version differences for the fgds driver and the rig's vgpu
- * exporter. Supported: Linux 6.1, 6.12, 7.2 and 7.3 (Debian). Every
- * difference between those kernels lives here, nowhere else.
+ * Kernel differences for the fgds driver and the rig's vgpu exporter.
+ * Supported: Linux 6.1, 6.12, 7.2 and 7.3 (Debian). Every difference between
+ * those kernels lives here, nowhere else. What a compile probe can see is
+ * decided by the FGDS_HAVE_* macros of fgds_config.h, which the build
+ * generates from driver/configure/probes/ (conftest.mk), so that a kernel
+ * with backports builds right; only changes of behaviour that no probe sees
+ * compare version numbers.
  */
 #ifndef _FGDS_COMPAT_H
 #define _FGDS_COMPAT_H
 
 #include <linux/version.h>
 #include <linux/module.h>
+
+#include "fgds_config.h"
 
 /* --- dma-buf exporter side (vgpu) --- */
 
@@ -27,7 +33,7 @@
  * move_notify (dma_buf_dynamic_attach() refuses it otherwise), so every
  * dynamic importer is revocable. Same boundary as FGDS_ATTACH_OPS_INVALIDATE().
  */
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(7, 0, 0)
+#ifdef FGDS_HAVE_DMA_BUF_INVALIDATE_MAPPINGS
 static inline void fgds_dma_buf_invalidate_mappings(struct dma_buf *dmabuf)
 {
 	dma_buf_invalidate_mappings(dmabuf);
@@ -57,7 +63,7 @@ fgds_dma_buf_attach_revocable(struct dma_buf_attachment *attach)
  * get_file_active(); before it, get_file_rcu() did the same on a plain
  * struct file pointer.
  */
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 7, 0)
+#ifdef FGDS_HAVE_GET_FILE_ACTIVE
 static inline struct file *fgds_get_file_active(struct file **f)
 {
 	return get_file_active(f);
@@ -74,7 +80,7 @@ static inline struct file *fgds_get_file_active(struct file **f)
  * (boundary between supported kernels); before, pci_request_region() on a
  * device enabled with pcim_enable_device() is released by devres.
  */
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)
+#ifdef FGDS_HAVE_PCIM_REQUEST_REGION
 static inline int fgds_pcim_request_region(struct pci_dev *pdev, int bar,
 					   const char *name)
 {
@@ -95,8 +101,7 @@ static inline int fgds_pcim_request_region(struct pci_dev *pdev, int bar,
  * with vfio-pci's dma-buf export in 6.19. Older kernels with
  * CONFIG_PCI_P2PDMA only have pci_p2pdma_distance().
  */
-#if IS_ENABLED(CONFIG_PCI_P2PDMA) && \
-	LINUX_VERSION_CODE >= KERNEL_VERSION(6, 19, 0)
+#if IS_ENABLED(CONFIG_PCI_P2PDMA) && defined(FGDS_HAVE_P2PDMA_PROVIDER_API)
 #define FGDS_HAVE_P2PDMA_PROVIDER 1
 #include <linux/dma-buf-mapping.h>
 #include <linux/pci-p2pdma.h>
@@ -120,21 +125,21 @@ static inline int fgds_pcim_request_region(struct pci_dev *pdev, int bar,
 #include <linux/mm.h>
 
 /* Symbol namespaces became string literals in 6.13. */
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 13, 0)
+#ifdef FGDS_HAVE_MODULE_IMPORT_NS_STRING
 #define FGDS_IMPORT_NS_DMA_BUF() MODULE_IMPORT_NS("DMA_BUF")
 #else
 #define FGDS_IMPORT_NS_DMA_BUF() MODULE_IMPORT_NS(DMA_BUF)
 #endif
 
 /* class_create() lost its owner argument in 6.4. */
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 4, 0)
+#ifdef FGDS_HAVE_CLASS_CREATE_NAME
 #define fgds_class_create(name) class_create(name)
 #else
 #define fgds_class_create(name) class_create(THIS_MODULE, name)
 #endif
 
 /* vm_flags became read-only behind helpers in 6.3. */
-#if LINUX_VERSION_CODE < KERNEL_VERSION(6, 3, 0)
+#ifndef FGDS_HAVE_VM_FLAGS_SET
 static inline void fgds_vm_flags_set(struct vm_area_struct *vma,
 				     unsigned long flags)
 {
@@ -156,7 +161,8 @@ static inline void fgds_vm_flags_clear(struct vm_area_struct *vma,
  * shared mapping that needs dirty tracking, such as one whose vm_ops have
  * page_mkwrite, since 6.5 ("mm/gup: disallow FOLL_LONGTERM GUP-nonfast
  * writing to file-backed mappings"; boundary between 6.1 and 6.12). Before,
- * fgds's page_mkwrite would only cost faults.
+ * fgds's page_mkwrite would only cost faults. A change of behaviour inside
+ * mm/gup.c, which no compile probe sees.
  */
 #if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 5, 0)
 #define FGDS_WRITENOTIFY_REFUSES_LONGTERM 1
@@ -168,7 +174,8 @@ static inline void fgds_vm_flags_clear(struct vm_area_struct *vma,
  * A signalled fence without release and wait ops drops its ops pointer
  * (RCU-protected) and is freed by the dma-buf core, so it never calls into
  * the module that created it again (7.x: dma_fence_signal_timestamp_locked()).
- * Before, the core calls a fence's ops for as long as it lives.
+ * Before, the core calls a fence's ops for as long as it lives. The pointer's
+ * __rcu annotation is the only trace in the headers, which only sparse sees.
  */
 #if LINUX_VERSION_CODE >= KERNEL_VERSION(7, 0, 0)
 #define FGDS_FENCE_OPS_DETACH 1
@@ -179,7 +186,7 @@ static inline void fgds_vm_flags_clear(struct vm_area_struct *vma,
  * dma_buf_dynamic_attach() refuses importer ops without it), renamed
  * invalidate_mappings in 7.x.
  */
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(7, 0, 0)
+#ifdef FGDS_HAVE_ATTACH_OPS_INVALIDATE_MAPPINGS
 #define FGDS_ATTACH_OPS_INVALIDATE(fn) .invalidate_mappings = (fn)
 #else
 #define FGDS_ATTACH_OPS_INVALIDATE(fn) .move_notify = (fn)
@@ -188,7 +195,7 @@ static inline void fgds_vm_flags_clear(struct vm_area_struct *vma,
 /* get_dev_pagemap() lost its second (cached pgmap) argument in 7.x. */
 static inline struct dev_pagemap *fgds_get_dev_pagemap(unsigned long pfn)
 {
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(7, 0, 0)
+#ifdef FGDS_HAVE_GET_DEV_PAGEMAP_PFN
 	return get_dev_pagemap(pfn);
 #else
 	return get_dev_pagemap(pfn, NULL);
@@ -201,7 +208,8 @@ static inline struct dev_pagemap *fgds_get_dev_pagemap(unsigned long pfn)
  * 1). PCI_P2PDMA pages idle at 1 up to 6.12 and at 0 from 7.x (the
  * "fs/dax: Fix ZONE_DEVICE page reference counts" series); at 0 they are
  * handed back to their genpool, so fgds never lets a P2PDMA page it holds
- * drop to 0 through put_page().
+ * drop to 0 through put_page(). A change of behaviour inside mm/, which no
+ * compile probe sees.
  */
 #if LINUX_VERSION_CODE >= KERNEL_VERSION(7, 0, 0)
 #define FGDS_P2PDMA_IDLE_REFS 0
@@ -211,13 +219,14 @@ static inline struct dev_pagemap *fgds_get_dev_pagemap(unsigned long pfn)
 #define FGDS_GENERIC_IDLE_REFS 1
 
 /*
- * PTEs mapping the pages of a folio. folio_mapcount() is not exported in
- * 6.1, where page_mapcount() of a PTE-mapped page of a compound folio counts
- * that page's PTEs.
+ * PTEs mapping the pages of a folio. folio_mapcount() is an inline over the
+ * folio's own large mapcount from 6.9; before (6.1) it is not exported, and
+ * page_mapcount() of a PTE-mapped page of a compound folio counts that page's
+ * PTEs.
  */
 static inline int fgds_folio_mapcount(struct folio *folio)
 {
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)
+#ifdef FGDS_HAVE_FOLIO_LARGE_MAPCOUNT
 	return folio_mapcount(folio);
 #else
 	long i, n = folio_nr_pages(folio);
@@ -234,12 +243,13 @@ static inline int fgds_folio_mapcount(struct folio *folio)
  * page without a mapping (gup_fast_folio_allowed(): it cannot rule out
  * secretmem); 6.1 only refuses a secretmem mapping, and its
  * page_add_file_rmap() wants the folio locked once a compound folio has a
- * mapping, so there fgds leaves it NULL.
+ * mapping, so there fgds leaves it NULL. The folio rmap functions that
+ * replaced page_add_file_rmap() (6.9) tell the two apart.
  */
 static inline void fgds_folio_set_mapping(struct folio *folio,
 					  struct address_space *mapping)
 {
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)
+#ifdef FGDS_HAVE_FOLIO_ADD_FILE_RMAP_PTES
 	WRITE_ONCE(folio->mapping, mapping);
 #endif
 }
@@ -247,7 +257,7 @@ static inline void fgds_folio_set_mapping(struct folio *folio,
 /* folio->index of a folio fgds holds: only where it sets ->mapping. */
 static inline void fgds_folio_set_index(struct folio *folio, pgoff_t index)
 {
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)
+#ifdef FGDS_HAVE_FOLIO_ADD_FILE_RMAP_PTES
 	WRITE_ONCE(folio->index, index);
 #endif
 }
@@ -261,7 +271,7 @@ static inline void fgds_folio_set_index(struct folio *folio, pgoff_t index)
  * pins a 2 MiB folio in one step. Up to 6.12 a PMD of ZONE_DEVICE pages is a
  * devmap PMD, which GUP pins page by page: there fgds maps PTEs only.
  */
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(7, 0, 0) && \
+#if defined(FGDS_HAVE_VMF_INSERT_FOLIO_PMD) && \
 	defined(CONFIG_TRANSPARENT_HUGEPAGE)
 #define FGDS_FOLIO_PMD 1
 #endif

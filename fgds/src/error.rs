@@ -39,6 +39,24 @@ pub enum Error {
         len: u64,
         source: std::io::Error,
     },
+    /// The CUDA driver library cannot be loaded.
+    #[error(
+        "cannot load the CUDA driver ({reason}): install the NVIDIA driver's CUDA library (libcuda.so.1, e.g. Debian's libcuda1 or the driver's own installer), or pass a dma-buf with --dmabuf-fd"
+    )]
+    CudaUnavailable { reason: String },
+    /// A CUDA driver API call failed.
+    #[error("{call} failed: {name} ({code}): {text}{hint}", hint = cuda_hint(*.code))]
+    Cuda {
+        call: &'static str,
+        code: i32,
+        name: String,
+        text: String,
+    },
+    /// The CUDA driver cannot export this device's memory as a dma-buf.
+    #[error(
+        "CUDA device {ordinal} cannot export its memory as a dma-buf (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0): it needs NVIDIA's open kernel module (nvidia-open, not the proprietary one) and a Turing or newer GPU"
+    )]
+    CudaNoDmabuf { ordinal: i32 },
     /// The file ended before the requested range did.
     #[error("{op} stopped at end of file after {done} of {len} bytes")]
     ShortTransfer {
@@ -75,6 +93,24 @@ fn reg_hint(errno: rustix::io::Errno) -> &'static str {
             " (fgds cannot map this GPU's memory safely here; the kernel log says why)"
         }
         Errno::NODEV => " (the GPU is gone or has no driver)",
+        _ => "",
+    }
+}
+
+fn cuda_hint(code: i32) -> &'static str {
+    match code {
+        // CUDA_ERROR_OUT_OF_MEMORY
+        2 => " (free GPU memory or ask for less)",
+        // CUDA_ERROR_NO_DEVICE
+        100 => " (no GPU visible to CUDA: check nvidia-smi and CUDA_VISIBLE_DEVICES)",
+        // CUDA_ERROR_INVALID_DEVICE
+        101 => " (no such device ordinal: nvidia-smi -L lists them)",
+        // CUDA_ERROR_NOT_SUPPORTED
+        801 => {
+            " (the driver cannot export this memory as a dma-buf: it needs NVIDIA's open kernel module)"
+        }
+        // CUDA_ERROR_INVALID_VALUE
+        1 => " (the range must be page aligned and inside one allocation of this device)",
         _ => "",
     }
 }

@@ -21,6 +21,9 @@
 
 mod buffer;
 mod cpu_mapping;
+pub mod cuda;
+mod dmabuf;
+pub mod doctor;
 mod error;
 mod gpu;
 mod transfer;
@@ -29,6 +32,7 @@ pub mod vgpu;
 
 pub use buffer::{Buffer, dio_alignment, open_direct};
 pub use cpu_mapping::CpuMapping;
+pub use dmabuf::DmabufInfo;
 pub use error::{Error, Result};
 pub use gpu::{Gpu, GpuInfo, SYSFS_CLASS};
 pub use transfer::{Direction, Transfer, TransferConfig};

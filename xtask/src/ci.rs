@@ -6,7 +6,7 @@ use std::process::{Command, ExitCode};
 use fgds_vm_images::kernel;
 
 use crate::report::{self, Outcome, Verdict};
-use crate::{driver, host, selftest, vm};
+use crate::{driver, host, package, selftest, vm};
 
 /// The runs CI makes, kernel and fgds's `pages=`: the LTS users run (GENERIC pages, its kernel
 /// having no CONFIG_PCI_P2PDMA), the newest with the default (P2PDMA pages) and with GENERIC
@@ -67,6 +67,8 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
     outcomes.extend(check_driver_outcomes(&DriverOptions {
         kernel: "debian:6.12".to_owned(),
     }));
+    eprintln!("ci: packages (lintian) and dkms build against every rig kernel");
+    outcomes.extend(or_failure("package::build", package_outcomes()));
     let runs: Vec<(&str, &str)> = if opts.kernels.is_empty() {
         CI_RUNS.to_vec()
     } else {
@@ -98,6 +100,17 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The packages' lintian verdicts and `<kernel>::dkms-build` for every kernel of
+/// [`package::DKMS_KERNELS`].
+fn package_outcomes() -> anyhow::Result<Vec<Outcome>> {
+    let packages = package::build(true)?;
+    let mut outcomes = package::lintian(&packages)?;
+    for spec in package::DKMS_KERNELS {
+        outcomes.push(package::dkms_outcome(&packages, spec));
+    }
+    Ok(outcomes)
 }
 
 pub fn check_driver(opts: &DriverOptions) -> anyhow::Result<ExitCode> {

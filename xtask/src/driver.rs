@@ -19,6 +19,8 @@ const CHECKPATCH_SOURCE: &str = "linux-source-6.12";
 pub struct Build {
     /// The `.ko` files in [`RIG_MODULES`] order.
     pub kos: Vec<PathBuf>,
+    /// fgds's generated fgds_config.h (the compile probes' results).
+    pub config: PathBuf,
     /// Compiler diagnostics (warnings), one line each; none means a clean build.
     pub diagnostics: Vec<String>,
 }
@@ -64,7 +66,96 @@ pub fn build(kernel: &Kernel, out_dir: &Path) -> anyhow::Result<Build> {
             }
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    Ok(Build { kos, diagnostics })
+    Ok(Build {
+        kos,
+        config: copy.join("fgds/fgds_config.h"),
+        diagnostics,
+    })
+}
+
+/// What each compile probe of driver/configure/probes/ must find, as `FGDS_HAVE_<NAME>` and
+/// the first series that has it, for the kernels the rig supports: a probe that fails there
+/// for a reason of its own (a header it forgot) would silently pick the old API.
+const PROBES: &[(&str, (u32, u32))] = &[
+    ("VM_FLAGS_SET", (6, 3)),
+    ("CLASS_CREATE_NAME", (6, 4)),
+    ("GET_FILE_ACTIVE", (6, 7)),
+    ("FOLIO_ADD_FILE_RMAP_PTES", (6, 9)),
+    ("FOLIO_LARGE_MAPCOUNT", (6, 9)),
+    ("PCIM_REQUEST_REGION", (6, 12)),
+    ("MODULE_IMPORT_NS_STRING", (6, 13)),
+    ("VMF_INSERT_FOLIO_PMD", (6, 15)),
+    ("P2PDMA_PROVIDER_API", (6, 19)),
+    ("DMA_BUF_INVALIDATE_MAPPINGS", (7, 0)),
+    ("ATTACH_OPS_INVALIDATE_MAPPINGS", (7, 0)),
+    ("GET_DEV_PAGEMAP_PFN", (7, 0)),
+];
+
+/// The kernel series the rig supports, whose probe results [`PROBES`] knows.
+const SUPPORTED_SERIES: &[(u32, u32)] = &[(6, 1), (6, 12), (7, 2), (7, 3)];
+
+/// The verdict on the compile probes of a build, named `<label>::driver-probes`: every
+/// `FGDS_HAVE_*` of fgds_config.h as [`PROBES`] expects for the kernel's series (skipped on a
+/// series the rig does not support).
+pub fn probes_outcome(label: &str, kernel: &Kernel, build: &Build) -> Outcome {
+    let name = format!("{label}::driver-probes");
+    let series = release_series(&kernel.release);
+    let Some(series) = series.filter(|s| SUPPORTED_SERIES.contains(s)) else {
+        return Outcome {
+            name,
+            verdict: Verdict::Skip(format!(
+                "{}: not a series whose probe results are known",
+                kernel.release
+            )),
+        };
+    };
+    let verdict = match std::fs::read_to_string(&build.config) {
+        Err(err) => Verdict::Fail(format!("cannot read {}: {err}", build.config.display())),
+        Ok(config) => {
+            let wrong = probe_mismatches(&config, series);
+            if wrong.is_empty() {
+                Verdict::Pass
+            } else {
+                Verdict::Fail(format!(
+                    "{} on {}: {}",
+                    build.config.display(),
+                    kernel.release,
+                    wrong.join("; ")
+                ))
+            }
+        }
+    };
+    Outcome { name, verdict }
+}
+
+/// `(major, minor)` at the start of a release string such as "6.12.118+deb12-amd64".
+fn release_series(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit());
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}
+
+/// The probes whose result in `config` (a generated fgds_config.h) is not what [`PROBES`]
+/// says for `series`.
+fn probe_mismatches(config: &str, series: (u32, u32)) -> Vec<String> {
+    PROBES
+        .iter()
+        .filter_map(|(name, since)| {
+            let macro_name = format!("FGDS_HAVE_{name}");
+            let found = config
+                .lines()
+                .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["#define", &macro_name, "1"]);
+            let expected = series >= *since;
+            (found != expected).then(|| {
+                format!(
+                    "{macro_name} is {}, expected {} (since {}.{})",
+                    if found { "set" } else { "unset" },
+                    if expected { "set" } else { "unset" },
+                    since.0,
+                    since.1
+                )
+            })
+        })
+        .collect()
 }
 
 /// The verdict on a build's cleanliness, named `<label>::driver-build`.
@@ -328,6 +419,8 @@ fn copy_sources(src: &Path, dst: &Path) -> anyhow::Result<()> {
             copy_sources(&path, &dst.join(&name))?;
         } else if name == "Kbuild"
             || name == "Makefile"
+            || name == "conftest.sh"
+            || name == "conftest.mk"
             || (name.ends_with(".c") && !name.ends_with(".mod.c"))
             || name.ends_with(".h")
         {
@@ -341,6 +434,24 @@ fn copy_sources(src: &Path, dst: &Path) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn probe_results_are_checked_against_the_series() {
+        assert_eq!(release_series("6.12.118+deb12-amd64"), Some((6, 12)));
+        assert_eq!(release_series("7.3-amd64"), Some((7, 3)));
+        assert_eq!(release_series("6.1.0-57-amd64"), Some((6, 1)));
+        let all = PROBES
+            .iter()
+            .map(|(n, _)| format!("#define FGDS_HAVE_{n} 1\n"))
+            .collect::<String>();
+        assert!(probe_mismatches(&all, (7, 3)).is_empty());
+        let wrong = probe_mismatches(&all, (6, 12));
+        assert_eq!(wrong.len(), 6, "{wrong:?}");
+        assert!(wrong[0].starts_with("FGDS_HAVE_MODULE_IMPORT_NS_STRING is set, expected unset"));
+        let none = "/* FGDS_HAVE_VM_FLAGS_SET: no */\n";
+        assert_eq!(probe_mismatches(none, (6, 1)), Vec::<String>::new());
+        assert_eq!(probe_mismatches(none, (7, 2)).len(), PROBES.len());
+    }
 
     #[test]
     fn shows_compiler_output_not_progress() {

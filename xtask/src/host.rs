@@ -19,6 +19,16 @@ pub const VM_PACKAGES: &[&str] = &[
 
 /// Installs whichever of `packages` are missing, with apt-get (as root).
 pub fn ensure_packages(packages: &[&str]) -> anyhow::Result<()> {
+    install_missing(packages, false)
+}
+
+/// As [`ensure_packages`], without the packages' recommendations (dkms recommends the host
+/// kernel's headers, which the rig never builds against).
+pub fn ensure_packages_without_recommends(packages: &[&str]) -> anyhow::Result<()> {
+    install_missing(packages, true)
+}
+
+fn install_missing(packages: &[&str], no_recommends: bool) -> anyhow::Result<()> {
     let missing = packages
         .iter()
         .copied()
@@ -37,7 +47,11 @@ pub fn ensure_packages(packages: &[&str]) -> anyhow::Result<()> {
             .context("cannot run apt-get: the rig needs a Debian host")?;
         Ok(status.success())
     };
-    let install = [&["install", "-y", "-q"][..], &missing].concat();
+    let mut install = vec!["install", "-y", "-q"];
+    if no_recommends {
+        install.push("--no-install-recommends");
+    }
+    install.extend(&missing);
     if apt(&install)? {
         return Ok(());
     }

@@ -11,6 +11,7 @@ mod expected;
 mod guest;
 mod host;
 mod matrix;
+mod package;
 mod report;
 mod run_memory;
 mod selftest;
@@ -45,6 +46,9 @@ enum Command {
     CheckDriver(ci::DriverOptions),
     /// Check the rig's own verdicts: programs that pass, fail, skip and panic the kernel.
     RigSelftest(selftest::Options),
+    /// Build the Debian packages fgds-dkms and fgds (target/package/), check them with lintian,
+    /// and with --dkms KERNEL build the packaged source with dkms against a kernel.
+    Package(package::Options),
 }
 
 fn main() -> std::process::ExitCode {
@@ -58,6 +62,7 @@ fn main() -> std::process::ExitCode {
         Command::CheckDriver(opts) => ci::check_driver(&opts),
         Command::Matrix(opts) => matrix::matrix(&opts),
         Command::Bench(opts) => bench::bench(&opts),
+        Command::Package(opts) => package::package(&opts),
     };
     match res {
         Ok(code) => code,

@@ -13,7 +13,7 @@ use fgds_vm_images::{disk, kernel};
 use crate::expected::{self, RunConfig};
 use crate::host::{self, Phases};
 use crate::report::{self, Outcome};
-use crate::{driver, guest, run_memory};
+use crate::{driver, guest, package, run_memory};
 
 /// Seconds the guest gets to boot and load modules, on top of the tests' own timeouts.
 const BOOT_ALLOWANCE_SECS: u64 = 120;
@@ -58,6 +58,10 @@ pub struct Options {
     /// Run no suite program, only the --exec ones.
     #[arg(long)]
     pub no_suite: bool,
+    /// Boot with the fgds.ko that `dkms build` makes from the fgds-dkms package (built as
+    /// `cargo xtask package` does) instead of the rig's own build of driver/.
+    #[arg(long)]
+    pub dkms: bool,
 }
 
 impl Options {
@@ -71,6 +75,7 @@ impl Options {
             fgds_pages: "auto".to_owned(),
             only: Vec::new(),
             no_suite: false,
+            dkms: false,
             iommu: false,
             append: String::new(),
             gpu_bytes: pattern::GPU_MEMORY_BYTES,
@@ -130,6 +135,9 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     }
     if opts.fgds_pages != "auto" {
         label = format!("{label}-{}", opts.fgds_pages);
+    }
+    if opts.dkms {
+        label.push_str("-dkms");
     }
     let (run_dir, _lock) = claim_run_dir(&crate::project_root().join("target/vm"), &label)?;
     eprintln!(
@@ -205,6 +213,24 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     for exec in &opts.exec {
         suite.push(guest::exec_entry(exec, EXEC_TIMEOUT_SECS)?);
     }
+    let mut kos = build.kos.clone();
+    let mut dkms_outcome = None;
+    if opts.dkms {
+        let ko = phases.run("dkms", || {
+            let packages = package::build(false)?;
+            package::dkms_build(&packages, &opts.kernel)
+        })?;
+        eprintln!("  fgds.ko from dkms: {}", ko.display());
+        let at = driver::RIG_MODULES
+            .iter()
+            .position(|m| *m == "fgds")
+            .expect("fgds is a rig module");
+        kos[at] = ko;
+        dkms_outcome = Some(Outcome {
+            name: format!("{label}::dkms-build"),
+            verdict: report::Verdict::Pass,
+        });
+    }
 
     let initrd = run_dir.join("initramfs.cpio");
     let memory = run_memory::create(
@@ -217,8 +243,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     let ext4_image = memory.drive("ext4.img")?;
     let nvme2_image = memory.drive("nvme2.img")?;
     phases.run("image", || {
-        let rig = build
-            .kos
+        let rig = kos
             .iter()
             .zip(driver::RIG_MODULES)
             .map(|(ko, name)| guest::RigModule {
@@ -287,7 +312,11 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         }
     }
     eprintln!("  phases: {}", phases.summary());
-    let mut outcomes = vec![driver::build_outcome(&label, &build)];
+    let mut outcomes = vec![
+        driver::build_outcome(&label, &build),
+        driver::probes_outcome(&label, &kernel, &build),
+    ];
+    outcomes.extend(dkms_outcome);
     outcomes.extend(report::outcomes(&report::RunArtifacts {
         label: &label,
         planned: &planned,

@@ -334,13 +334,31 @@ struct ModeRun {
 
 enum Target {
     Ram(Anon),
-    Direct(fgds::Buffer),
-    Bounce {
-        ram: Anon,
-        gpu: CpuMapping,
+    /// The registration is dropped before the memory it covers (fields drop in order).
+    Direct {
+        buffer: fgds::Buffer,
         _dmabuf: crate::Dmabuf,
     },
+    /// The GPU side is dropped before the RAM it may have pinned.
+    Bounce {
+        gpu: BounceCopy,
+        ram: Anon,
+    },
     P2pmem(Anon),
+}
+
+/// How `bounce` copies between RAM and the GPU: through the exporter's CPU mapping of the
+/// dma-buf, or with CUDA's copies from RAM it pinned (as a CUDA program's loader would; a
+/// CUDA dma-buf has no CPU mapping, and this needs no fgds).
+enum BounceCopy {
+    Mapping {
+        map: CpuMapping,
+        _dmabuf: crate::Dmabuf,
+    },
+    Cuda {
+        _pinned: fgds::cuda::HostRegistration,
+        memory: fgds::cuda::DeviceMemory,
+    },
 }
 
 impl Target {
@@ -348,7 +366,7 @@ impl Target {
     fn io_ptr(&self) -> *mut u8 {
         match self {
             Target::Ram(a) | Target::P2pmem(a) | Target::Bounce { ram: a, .. } => a.ptr,
-            Target::Direct(b) => b.as_ptr(),
+            Target::Direct { buffer, .. } => buffer.as_ptr(),
         }
     }
 }
@@ -393,17 +411,33 @@ fn make_target(mode: &str, opts: &Options, len: usize) -> anyhow::Result<Target>
         "ram" => Ok(Target::Ram(anon(len)?)),
         "direct" => {
             let (gpu, dmabuf) = crate::resolve(&opts.source, len as u64)?;
-            Ok(Target::Direct(gpu.register(dmabuf.fd(), 0, len as u64)?))
-        }
-        "bounce" => {
-            let (_, dmabuf) = crate::resolve(&opts.source, len as u64)?;
-            let gpu = CpuMapping::new(dmabuf.fd(), len)
-                .context("the exporter's CPU mapping of the dma-buf")?;
-            Ok(Target::Bounce {
-                ram: anon(len)?,
-                gpu,
+            Ok(Target::Direct {
+                buffer: gpu.register(dmabuf.fd(), 0, len as u64)?,
                 _dmabuf: dmabuf,
             })
+        }
+        "bounce" => {
+            let ram = anon(len)?;
+            let gpu = match opts.source.cuda {
+                Some(ordinal) => {
+                    let device = fgds::cuda::Cuda::load()?.device(ordinal)?;
+                    BounceCopy::Cuda {
+                        // SAFETY: `ram` is a live mapping of `len` bytes, and the
+                        // registration is dropped before it (field order of `Target::Bounce`).
+                        _pinned: unsafe { device.register_host(ram.ptr, len) }?,
+                        memory: device.alloc(len as u64)?,
+                    }
+                }
+                None => {
+                    let (_, dmabuf) = crate::resolve(&opts.source, len as u64)?;
+                    BounceCopy::Mapping {
+                        map: CpuMapping::new(dmabuf.fd(), len)
+                            .context("the exporter's CPU mapping of the dma-buf")?,
+                        _dmabuf: dmabuf,
+                    }
+                }
+            };
+            Ok(Target::Bounce { gpu, ram })
         }
         "p2pmem" => p2pmem(opts, len).map(Target::P2pmem),
         _ => unreachable!("modes are checked in run"),
@@ -770,7 +804,7 @@ fn thread_io(
             // SAFETY: `at..at+bs` is inside both mappings (same length), and this
             // thread's slot is not in flight.
             let dst = unsafe { std::slice::from_raw_parts_mut(ram.ptr.add(at), bs) };
-            gpu.read(at, dst);
+            bounce_copy(gpu, at, BounceDir::FromGpu(dst))?;
         }
         let len = bs as u32;
         let sqe = match (write, fixed) {
@@ -816,7 +850,7 @@ fn thread_io(
                 let at = region_offset + slot_offset(slot, bs, region);
                 // SAFETY: as above; the request into this slot has completed.
                 let src = unsafe { std::slice::from_raw_parts(ram.ptr.add(at), bs) };
-                gpu.write(at, src);
+                bounce_copy(gpu, at, BounceDir::ToGpu(src))?;
             }
             latencies.push(issued_at[slot].elapsed());
             if more(next) {
@@ -828,4 +862,25 @@ fn thread_io(
         }
     }
     Ok(latencies)
+}
+
+/// A bounce copy's direction, with the RAM side.
+enum BounceDir<'a> {
+    ToGpu(&'a [u8]),
+    FromGpu(&'a mut [u8]),
+}
+
+/// Copies between RAM and the GPU's memory at offset `at` of the bounce target.
+fn bounce_copy(gpu: &BounceCopy, at: usize, dir: BounceDir<'_>) -> anyhow::Result<()> {
+    match (gpu, dir) {
+        (BounceCopy::Mapping { map, .. }, BounceDir::ToGpu(src)) => map.write(at, src),
+        (BounceCopy::Mapping { map, .. }, BounceDir::FromGpu(dst)) => map.read(at, dst),
+        (BounceCopy::Cuda { memory, .. }, BounceDir::ToGpu(src)) => {
+            memory.copy_from_host(at as u64, src)?
+        }
+        (BounceCopy::Cuda { memory, .. }, BounceDir::FromGpu(dst)) => {
+            memory.copy_to_host(at as u64, dst)?
+        }
+    }
+    Ok(())
 }

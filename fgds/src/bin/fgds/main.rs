@@ -36,6 +36,13 @@ enum Command {
     Write(Io),
     /// Measure throughput, latency and CPU time of direct, bounce, ram and p2pmem I/O.
     Bench(bench::Options),
+    /// Which path a read into GPU memory would take on this machine, and why not the direct
+    /// one: module, nodes, page mode, IOMMU, P2PDMA, drives, CUDA, the fgds group.
+    Doctor {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Where the GPU memory comes from.
@@ -45,11 +52,16 @@ pub struct Source {
     #[arg(long)]
     gpu: Option<String>,
     /// A dma-buf fd inherited from the parent process (a GPU runtime's export).
-    #[arg(long, conflicts_with = "vgpu")]
+    #[arg(long, conflicts_with_all = ["vgpu", "cuda"])]
     dmabuf_fd: Option<i32>,
     /// Allocate from the rig's test exporter /dev/vgpuN.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "cuda")]
     vgpu: Option<u32>,
+    /// Allocate CUDA memory on this device (its ordinal, as nvidia-smi -L numbers them) and
+    /// export it as a dma-buf (libcuda.so.1, loaded at run time); the GPU is the CUDA
+    /// device's, found by PCI bus id.
+    #[arg(long, value_name = "DEVICE")]
+    cuda: Option<i32>,
 }
 
 #[derive(clap::Args)]
@@ -82,6 +94,7 @@ fn main() -> ExitCode {
         Command::Read(io) => transfer(Direction::Read, &io),
         Command::Write(io) => transfer(Direction::Write, &io),
         Command::Bench(opts) => bench::run(&opts),
+        Command::Doctor { json } => doctor(json),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,
@@ -132,10 +145,26 @@ fn list(json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A dma-buf to register: inherited, or allocated from vgpu (kept alive by `_owned`).
+fn doctor(json: bool) -> anyhow::Result<()> {
+    let report = fgds::doctor::examine(
+        std::path::Path::new("/"),
+        &fgds::doctor::Identity::current(),
+        fgds::doctor::cuda_devices(),
+    );
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report.json())?);
+    } else {
+        print!("{}", report.text());
+    }
+    Ok(())
+}
+
+/// A dma-buf to register: inherited, allocated from vgpu (kept alive by `owned`), or exported
+/// from CUDA memory (kept allocated by `_cuda`: drop the registration first).
 pub struct Dmabuf {
     owned: Option<OwnedFd>,
     raw: i32,
+    _cuda: Option<fgds::cuda::DeviceMemory>,
 }
 
 impl Dmabuf {
@@ -150,6 +179,9 @@ impl Dmabuf {
 
 /// The GPU and dma-buf a command works on.
 pub fn resolve(source: &Source, len: u64) -> anyhow::Result<(Gpu, Dmabuf)> {
+    if let Some(ordinal) = source.cuda {
+        return resolve_cuda(ordinal, source.gpu.as_deref(), len);
+    }
     let bdf = match &source.gpu {
         Some(bdf) => bdf.clone(),
         None => match Gpu::list()?.as_slice() {
@@ -162,20 +194,53 @@ pub fn resolve(source: &Source, len: u64) -> anyhow::Result<(Gpu, Dmabuf)> {
     };
     let gpu = Gpu::open(&bdf)?;
     let dmabuf = match (source.dmabuf_fd, source.vgpu) {
-        (Some(raw), None) => Dmabuf { owned: None, raw },
+        (Some(raw), None) => Dmabuf {
+            owned: None,
+            raw,
+            _cuda: None,
+        },
         (None, Some(n)) => {
             let dev = fgds::vgpu::open(n)?;
             let (fd, _) = fgds::vgpu::alloc(&dev, len)?;
             Dmabuf {
                 owned: Some(fd),
                 raw: -1,
+                _cuda: None,
             }
         }
         _ => bail!(
-            "name the GPU memory: --dmabuf-fd N (a dma-buf inherited from your GPU runtime) or --vgpu N (the rig's test exporter)"
+            "name the GPU memory: --cuda DEVICE (CUDA memory), --dmabuf-fd N (a dma-buf inherited from your GPU runtime) or --vgpu N (the rig's test exporter)"
         ),
     };
     Ok((gpu, dmabuf))
+}
+
+/// `len` bytes of CUDA memory on device `ordinal`, exported as a dma-buf, and the fgds node of
+/// the same GPU.
+fn resolve_cuda(ordinal: i32, gpu: Option<&str>, len: u64) -> anyhow::Result<(Gpu, Dmabuf)> {
+    let cuda = fgds::cuda::Cuda::load()?;
+    let device = cuda.device(ordinal)?;
+    let bdf = device.pci_bus_id()?;
+    if let Some(named) = gpu
+        && named != bdf
+    {
+        bail!("--gpu {named} is not CUDA device {ordinal}, which is {bdf}: leave --gpu out");
+    }
+    let gpu = Gpu::open(&bdf).with_context(|| format!("CUDA device {ordinal} is GPU {bdf}"))?;
+    let page = rustix::param::page_size() as u64;
+    let len = len.div_ceil(page) * page;
+    let memory = device
+        .alloc(len)
+        .with_context(|| format!("allocating {len} bytes on CUDA device {ordinal}"))?;
+    let fd = device.export_dmabuf(memory.ptr(), len)?;
+    Ok((
+        gpu,
+        Dmabuf {
+            owned: Some(fd),
+            raw: -1,
+            _cuda: Some(memory),
+        },
+    ))
 }
 
 fn page_align_down(n: u64) -> u64 {
