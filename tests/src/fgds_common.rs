@@ -347,6 +347,8 @@ pub fn run_unless_refused(cases: &[fgds_tests::ktap::Case]) -> ! {
 /// that skip is expected is the host's expected-outcome table's to say (xtask/src/expected.rs).
 /// A probe that fails otherwise is printed and every case runs (and fails on its own).
 pub fn run_refusing(cases: &[fgds_tests::ktap::Case], without_reg: &[&str]) -> ! {
+    // Every program that comes here allocates from vgpu.
+    fgds_tests::guest::skip_unless_vgpu();
     let refused = refusal().unwrap_or_else(|err| {
         fgds_tests::ktap::diag(format_args!("{err:#}"));
         None
