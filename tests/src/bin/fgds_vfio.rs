@@ -687,37 +687,7 @@ fn readonly_export_gives_readonly_mapping() -> CaseResult {
         .export(&[(BAR, LEN)], true)
         .map_err(|e| anyhow::anyhow!("read-only VFIO_DEVICE_FEATURE_DMA_BUF: {e}"))?;
     let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
-    match Map::new(&node, idx, LEN as usize, libc::MAP_SHARED) {
-        Err(Errno::ACCESS) => {}
-        Err(e) => bail!("a writable mapping of a read-only dma-buf failed with {e}, want EACCES"),
-        Ok(_) => bail!("a read-only dma-buf gave a writable mapping"),
-    }
-    // SAFETY: a new read-only mapping at an address the kernel picks.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            LEN as usize,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            node.as_raw_fd(),
-            idx as libc::off_t,
-        )
-    };
-    ensure!(
-        ptr != libc::MAP_FAILED,
-        "a read-only mapping failed: {}",
-        std::io::Error::last_os_error()
-    );
-    let map = Map {
-        ptr: ptr.cast(),
-        len: LEN as usize,
-    };
-    // SAFETY: changes the protection of our own mapping only.
-    let r = unsafe { libc::mprotect(ptr, LEN as usize, libc::PROT_READ | libc::PROT_WRITE) };
-    ensure!(
-        r != 0 && last_errno() == Errno::ACCESS,
-        "mprotect(PROT_WRITE) of the read-only mapping gave {r}, want EACCES"
-    );
+    let map = common::map_readonly_checked(&node, idx, LEN as usize)?;
     let nvme = common::nvme(true)?;
     let into = common::pread_raw(&nvme, map.ptr, LEN as usize, 0);
     ensure!(
@@ -753,35 +723,6 @@ impl How {
             How::MemoryOff => "clearing PCI_COMMAND_MEMORY",
             How::Close => "closing the device fd",
         }
-    }
-}
-
-/// A qemu-io command on the raw drive's block node, through the host.
-fn qemu_io(cmd: &str) -> anyhow::Result<()> {
-    let out = ctl::request(&format!("hmp qemu-io nvme0-disk \"{cmd}\""))?;
-    ensure!(out.trim().is_empty(), "qemu-io {cmd:?}: {out}");
-    Ok(())
-}
-
-/// A blkdebug breakpoint on the raw drive: QEMU suspends the first read that reaches it
-/// until [`Breakpoint::resume`]. Dropping it removes and resumes it whatever happened.
-struct Breakpoint;
-
-impl Breakpoint {
-    fn arm() -> anyhow::Result<Breakpoint> {
-        qemu_io(&format!("break read_aio {TAG}"))?;
-        Ok(Breakpoint)
-    }
-
-    fn resume(&self) -> anyhow::Result<()> {
-        qemu_io(&format!("resume {TAG}"))
-    }
-}
-
-impl Drop for Breakpoint {
-    fn drop(&mut self) {
-        let _ = qemu_io(&format!("remove_break {TAG}"));
-        let _ = qemu_io(&format!("resume {TAG}"));
     }
 }
 
@@ -887,7 +828,7 @@ fn revocation(how: How, held: bool) -> CaseResult {
     ensure!(page_present(map.ptr)?, "the mapping is not faulted in");
 
     let held_read = if held {
-        let bp = Breakpoint::arm()?;
+        let bp = common::Breakpoint::arm(TAG)?;
         let reader = read_in_thread(&map, LEN as usize, SCRATCH);
         std::thread::sleep(Duration::from_millis(500));
         ensure!(
