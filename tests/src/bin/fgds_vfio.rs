@@ -552,7 +552,8 @@ fn gpu_is_bound_to_vfio_pci() -> CaseResult {
 }
 
 /// One BAR2 range: pread from the drive into the whole registration and into a part of it
-/// (dmabuf_offset), the host checks GPU memory, pwrite back to the drive.
+/// (dmabuf_offset), io_uring reads into the whole one, the host checks GPU memory each time,
+/// then pwrite back to the drive.
 fn one_range_pread_pwrite() -> CaseResult {
     const BAR: u64 = 16 * MIB;
     const LEN: u64 = 8 * MIB;
@@ -578,6 +579,36 @@ fn one_range_pread_pwrite() -> CaseResult {
         .context("after pread into the part")?;
     host_check(&[(BAR, 2 * MIB)], pattern::NVME_SEED, 0).context("the range before the part")?;
 
+    // io_uring, into the whole registration's last 4 MiB.
+    let mut ring = io_uring::IoUring::new(4)?;
+    for i in 0..4u64 {
+        let sqe = io_uring::opcode::Read::new(
+            io_uring::types::Fd(nvme.as_raw_fd()),
+            map.at((4 * MIB + i * MIB) as usize),
+            MIB as u32,
+        )
+        .offset(36 * MIB + i * MIB)
+        .build()
+        .user_data(i);
+        // SAFETY: the mapping outlives the requests: every completion is waited for below.
+        unsafe { ring.submission().push(&sqe) }.context("submission queue full")?;
+    }
+    ring.submit_and_wait(4).context("io_uring_enter")?;
+    let results = ring
+        .completion()
+        .map(|cqe| (cqe.user_data(), cqe.result()))
+        .collect::<Vec<_>>();
+    ensure!(
+        results.len() == 4,
+        "{} of 4 io_uring completions",
+        results.len()
+    );
+    for (i, res) in results {
+        ensure!(res == MIB as i32, "io_uring read {i} gave {res}");
+    }
+    host_check(&[(BAR + 4 * MIB, 4 * MIB)], pattern::NVME_SEED, 36 * MIB)
+        .context("after the io_uring reads")?;
+
     let n =
         common::pwrite_raw(&nvme, map.ptr, LEN as usize, SCRATCH).context("pwrite GPU -> NVMe")?;
     ensure!(n == LEN as usize, "short pwrite {n}");
@@ -588,11 +619,8 @@ fn one_range_pread_pwrite() -> CaseResult {
         32 * MIB,
         &mut want[2 * MIB as usize..4 * MIB as usize],
     );
-    let mut back = AlignedBuf::new(LEN as usize)?;
-    nvme.read_exact_at(back.as_mut_slice(), SCRATCH)?;
-    if let Some(at) = back.as_slice().iter().zip(&want).position(|(a, b)| a != b) {
-        bail!("the drive did not get the GPU memory's data: byte {at:#x} differs");
-    }
+    pattern::fill(pattern::NVME_SEED, 36 * MIB, &mut want[4 * MIB as usize..]);
+    check_drive_holds(SCRATCH, &want)?;
     drop((map, part_map));
     common::unreg(&node, idx)?;
     common::unreg(&node, part)?;
@@ -600,9 +628,21 @@ fn one_range_pread_pwrite() -> CaseResult {
     ktap::pass()
 }
 
+/// Fails unless the drive holds `want` at `off`.
+fn check_drive_holds(off: u64, want: &[u8]) -> anyhow::Result<()> {
+    let nvme = common::nvme(false)?;
+    let mut back = AlignedBuf::new(want.len())?;
+    nvme.read_exact_at(back.as_mut_slice(), off)?;
+    if let Some(at) = back.as_slice().iter().zip(want).position(|(a, b)| a != b) {
+        bail!("the drive did not get the GPU memory's data: byte {at:#x} differs");
+    }
+    Ok(())
+}
+
 /// Three BAR2 ranges out of BAR order in one dma-buf: io_uring reads into the whole
-/// registration (the host checks each range where it lies in the BAR), a registration that
-/// straddles two ranges, then io_uring writes back to the drive.
+/// registration (the host checks each range where it lies in the BAR) and into a registration
+/// across all three, pread and pwrite through the whole one, then io_uring writes back to the
+/// drive.
 fn several_ranges_io_uring() -> CaseResult {
     let ranges = [(40 * MIB, 2 * MIB), (24 * MIB, MIB), (33 * MIB, 3 * MIB)];
     let len: u64 = ranges.iter().map(|r| r.1).sum();
@@ -616,26 +656,25 @@ fn several_ranges_io_uring() -> CaseResult {
     let buffer = gpu.register(dmabuf.as_fd(), 0, len)?;
     let nvme = common::nvme(true)?;
     let mut transfer = fgds::Transfer::new(fgds::TransferConfig::DEFAULT)?;
+    let mut read = |buffer: &fgds::Buffer, from: u64| -> anyhow::Result<()> {
+        let n = transfer
+            .run(fgds::Direction::Read, buffer, 0..buffer.len(), &nvme, from)
+            .context("io_uring NVMe -> GPU")?;
+        ensure!(
+            n == buffer.len(),
+            "io_uring read {n} of {} bytes",
+            buffer.len()
+        );
+        Ok(())
+    };
     const FROM: u64 = 8 * MIB;
-    let n = transfer
-        .run(fgds::Direction::Read, &buffer, 0..len as usize, &nvme, FROM)
-        .context("io_uring NVMe -> GPU")?;
-    ensure!(n == len as usize, "io_uring read {n} of {len} bytes");
+    read(&buffer, FROM)?;
     host_check(&ranges, pattern::NVME_SEED, FROM).context("after the io_uring read")?;
 
     // 1 MiB before the end of the first range to 1 MiB into the third: across all three.
     let straddle = gpu.register(dmabuf.as_fd(), MIB, 3 * MIB)?;
     const FROM2: u64 = 48 * MIB;
-    let n = transfer
-        .run(
-            fgds::Direction::Read,
-            &straddle,
-            0..3 * MIB as usize,
-            &nvme,
-            FROM2,
-        )
-        .context("io_uring into a registration across the ranges")?;
-    ensure!(n == 3 * MIB as usize, "io_uring read {n}");
+    read(&straddle, FROM2).context("into a registration across the ranges")?;
     host_check(
         &[(41 * MIB, MIB), (24 * MIB, MIB), (33 * MIB, MIB)],
         pattern::NVME_SEED,
@@ -644,8 +683,24 @@ fn several_ranges_io_uring() -> CaseResult {
     .context("after the read across the ranges")?;
     host_check(&[(34 * MIB, 2 * MIB)], pattern::NVME_SEED, FROM + 4 * MIB)
         .context("the rest of the third range")?;
-    drop(straddle);
 
+    // pread and pwrite through the whole registration, from another place of the drive.
+    const FROM3: u64 = 52 * MIB;
+    let n = buffer
+        .read_at(&nvme, FROM3, 0..len as usize)
+        .context("pread NVMe -> GPU across the ranges")?;
+    ensure!(n == len as usize, "pread {n} of {len} bytes");
+    host_check(&ranges, pattern::NVME_SEED, FROM3).context("after the pread")?;
+    let n = buffer
+        .write_at(&nvme, SCRATCH + 8 * MIB, 0..len as usize)
+        .context("pwrite GPU -> NVMe across the ranges")?;
+    ensure!(n == len as usize, "pwrite {n}");
+    check_drive(SCRATCH + 8 * MIB, len as usize, pattern::NVME_SEED, FROM3)?;
+
+    // io_uring both ways: the whole, then the straddling part over it, back to the drive.
+    read(&buffer, FROM)?;
+    read(&straddle, FROM2)?;
+    drop(straddle);
     let n = transfer
         .run(
             fgds::Direction::Write,
@@ -663,11 +718,7 @@ fn several_ranges_io_uring() -> CaseResult {
         FROM2,
         &mut want[MIB as usize..4 * MIB as usize],
     );
-    let mut back = AlignedBuf::new(len as usize)?;
-    nvme.read_exact_at(back.as_mut_slice(), SCRATCH)?;
-    if let Some(at) = back.as_slice().iter().zip(&want).position(|(a, b)| a != b) {
-        bail!("the drive did not get the GPU memory's data: byte {at:#x} differs");
-    }
+    check_drive_holds(SCRATCH, &want)?;
     drop(buffer);
     wait_fgds_idle(&group.bdf, "after the case")?;
     ktap::pass()
@@ -821,6 +872,9 @@ fn revocation(how: How, held: bool) -> CaseResult {
     let node = open_node(&bdf)?;
     let dmabuf = dev.export_rw(&[(bar, LEN)])?;
     let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    // Without a read held, the program lets go of the dma-buf, as users do once registered:
+    // vfio reaches it through fgds's own reference alone.
+    let dmabuf = held.then_some(dmabuf);
     let map = Map::shared(&node, idx, LEN as usize)?;
     // Fault the mapping in, without changing the memory.
     // SAFETY: a byte of our live mapping.
@@ -966,10 +1020,12 @@ fn revocation(how: How, held: bool) -> CaseResult {
         }
         (How::Close, None) => {
             // The old dma-buf stays revoked for good: vfio refuses new attachments.
-            match common::reg(&node, dmabuf.as_fd(), 0, LEN) {
-                Err(Errno::NODEV) => {}
-                other => {
-                    bail!("registering the dma-buf of a closed device gave {other:?}, want ENODEV")
+            if let Some(old) = &dmabuf {
+                match common::reg(&node, old.as_fd(), 0, LEN) {
+                    Err(Errno::NODEV) => {}
+                    other => bail!(
+                        "registering the dma-buf of a closed device gave {other:?}, want ENODEV"
+                    ),
                 }
             }
             group.device().context("open the device again")?
