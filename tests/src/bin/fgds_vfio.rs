@@ -511,7 +511,8 @@ fn page_present(ptr: *const u8) -> anyhow::Result<bool> {
 }
 
 /// The GPU is vfio-pci's, vgpu is absent, vfio offers reset and an mmap-able BAR2, its DMA is
-/// translated, and a registration of one page of its export works (and reports fgds's mode).
+/// translated, the dma-buf is vfio's (fdinfo `exp_name`), and a registration of one page of it
+/// works (and reports fgds's mode).
 fn gpu_is_bound_to_vfio_pci() -> CaseResult {
     let group = Group::open()?;
     let bdf = &group.bdf;
@@ -538,6 +539,17 @@ fn gpu_is_bound_to_vfio_pci() -> CaseResult {
     );
     let node = open_node(bdf)?;
     let dmabuf = dev.export_rw(&[(0, PAGE)])?;
+    // The dma-buf is vfio's own (its exporter's name in fdinfo), not one of vgpu's.
+    let fdinfo = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", dmabuf.as_raw_fd()))?;
+    let exporter = fdinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("exp_name:"))
+        .map(str::trim)
+        .unwrap_or_default();
+    ensure!(
+        exporter.starts_with("vfio"),
+        "the dma-buf's exporter is {exporter:?}, not vfio-pci"
+    );
     let reg = common::reg(&node, dmabuf.as_fd(), 0, PAGE);
     let mode = fgds_sysfs(bdf, "mode")?;
     ktap::diag(format_args!("fgds-report: fgds mode={mode}"));
