@@ -12,7 +12,10 @@
  * fgds attaches as the GPU's own PCI device, so the exporter returns the
  * addresses at which the GPU reaches its own memory: the BAR's PCI bus
  * addresses (or, from a driver using dma_map_resource() without IOMMU
- * translation, the CPU physical addresses, which equal them on x86). Every
+ * translation, the CPU physical addresses, which equal them on x86). For
+ * vfio-pci, whose dma_buf_phys_vec_to_sgt() asks pci_p2pdma_map_type() of
+ * the BAR's device and the attaching one, the same PCI function means
+ * PCI_P2PDMA_MAP_BUS_ADDR, with or without an IOMMU: bus addresses. Every
  * segment must lie inside the GPU's BAR in bus address space; anything else,
  * such as an IOVA or system RAM, is refused. fgds never looks at sg_page():
  * the struct page of a segment is the ZONE_DEVICE page at the same offset of
@@ -312,8 +315,9 @@ static int fgds_buf_import(struct fgds_buf *buf,
 	if (IS_ERR(buf->attach)) {
 		ret = PTR_ERR(buf->attach);
 		buf->attach = NULL;
-		dev_err(&buf->gpu->dev, "the exporter refused the attachment: %ld\n",
-			ret);
+		dev_err_ratelimited(&buf->gpu->dev,
+				    "%s: the exporter refused the attachment: %ld\n",
+				    buf->owner, ret);
 		return ret;
 	}
 

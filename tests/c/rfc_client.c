@@ -44,6 +44,13 @@ int main(void)
 	int vgpu, fd, nvme;
 	ssize_t n;
 
+	p = getenv("FGDS_EXPORTER");
+	if (p && strcmp(p, "vgpu")) {
+		/* xtask/src/expected.rs lets this skip where vgpu is absent. */
+		printf("KTAP version 1\n1..0 # SKIP the GPU is bound to vfio-pci (--exporter %s), not to vgpu, which is not loaded: the buffer comes from vgpu\n",
+		       p);
+		return 4;
+	}
 	printf("KTAP version 1\n1..1\n");
 	n = readlink("/sys/class/vgpu/vgpu0/device", link, sizeof(link) - 1);
 	if (n < 0)

@@ -347,6 +347,8 @@ pub fn run_unless_refused(cases: &[fgds_tests::ktap::Case]) -> ! {
 /// that skip is expected is the host's expected-outcome table's to say (xtask/src/expected.rs).
 /// A probe that fails otherwise is printed and every case runs (and fails on its own).
 pub fn run_refusing(cases: &[fgds_tests::ktap::Case], without_reg: &[&str]) -> ! {
+    // Every program that comes here allocates from vgpu.
+    fgds_tests::guest::skip_unless_vgpu();
     let refused = refusal().unwrap_or_else(|err| {
         fgds_tests::ktap::diag(format_args!("{err:#}"));
         None
@@ -375,4 +377,72 @@ pub fn kernel_release() -> anyhow::Result<String> {
         .context("cannot read /proc/sys/kernel/osrelease")?
         .trim()
         .to_owned())
+}
+
+/// A qemu-io command on the raw drive's block node (blkdebug breakpoints), through the host.
+pub fn qemu_io(cmd: &str) -> anyhow::Result<()> {
+    let out = fgds_tests::ctl::request(&format!("hmp qemu-io nvme0-disk \"{cmd}\""))?;
+    anyhow::ensure!(out.trim().is_empty(), "qemu-io {cmd:?}: {out}");
+    Ok(())
+}
+
+/// A blkdebug breakpoint on the raw drive, named by a tag: QEMU suspends the first read that
+/// reaches it until [`Breakpoint::resume`]. Dropping it removes and resumes it whatever
+/// happened.
+pub struct Breakpoint(&'static str);
+
+impl Breakpoint {
+    pub fn arm(tag: &'static str) -> anyhow::Result<Breakpoint> {
+        qemu_io(&format!("break read_aio {tag}"))?;
+        Ok(Breakpoint(tag))
+    }
+
+    pub fn resume(&self) -> anyhow::Result<()> {
+        qemu_io(&format!("resume {}", self.0))
+    }
+}
+
+impl Drop for Breakpoint {
+    fn drop(&mut self) {
+        let _ = qemu_io(&format!("remove_break {}", self.0));
+        let _ = qemu_io(&format!("resume {}", self.0));
+    }
+}
+
+/// Maps token `idx` of a registration of a read-only dma-buf and checks that it stays
+/// read-only: `mmap` with `PROT_WRITE` fails with `EACCES`, a read-only `mmap` works, and
+/// `mprotect` to writable fails with `EACCES`. Returns the read-only mapping.
+pub fn map_readonly_checked(node: &File, idx: u64, len: usize) -> anyhow::Result<Map> {
+    match Map::new(node, idx, len, libc::MAP_SHARED) {
+        Err(Errno::ACCESS) => {}
+        Err(e) => bail!("a writable mapping of a read-only dma-buf failed with {e}, want EACCES"),
+        Ok(_) => bail!("a read-only dma-buf gave a writable mapping"),
+    }
+    // SAFETY: a new read-only mapping at an address the kernel picks.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            node.as_raw_fd(),
+            idx as libc::off_t,
+        )
+    };
+    anyhow::ensure!(
+        ptr != libc::MAP_FAILED,
+        "a read-only mapping failed: {}",
+        std::io::Error::last_os_error()
+    );
+    let map = Map {
+        ptr: ptr.cast(),
+        len,
+    };
+    // SAFETY: changes the protection of our own mapping only.
+    let r = unsafe { libc::mprotect(ptr, len, libc::PROT_READ | libc::PROT_WRITE) };
+    anyhow::ensure!(
+        r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EACCES),
+        "mprotect(PROT_WRITE) of the read-only mapping gave {r}, want EACCES"
+    );
+    Ok(map)
 }

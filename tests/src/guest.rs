@@ -95,6 +95,34 @@ pub fn expected_mode() -> anyhow::Result<String> {
     )
 }
 
+/// Who exports the GPU's memory in this run (`FGDS_EXPORTER`, set by the host from
+/// `--exporter`): `vgpu` or `vfio`. Programs run by hand, outside the rig, get `vgpu`.
+pub fn exporter() -> String {
+    std::env::var("FGDS_EXPORTER").unwrap_or_else(|_| "vgpu".to_owned())
+}
+
+/// Why a program or case that needs vgpu cannot run here, if it cannot: the GPU is bound to
+/// vfio-pci (`--exporter vfio`), and vgpu is not loaded. The host's expected-outcome table
+/// (xtask/src/expected.rs) lets exactly the vgpu programs skip with this reason there.
+pub fn vgpu_absence() -> Option<String> {
+    let exporter = exporter();
+    (exporter != "vgpu").then(|| {
+        format!(
+            "the GPU is bound to vfio-pci (--exporter {exporter}), not to vgpu, which is not \
+             loaded: this needs vgpu (fgds_vfio covers vfio-pci)"
+        )
+    })
+}
+
+/// Exits with the kselftest skip code, the reason on the plan line, when the run has no vgpu
+/// ([`vgpu_absence`]).
+pub fn skip_unless_vgpu() {
+    if let Some(reason) = vgpu_absence() {
+        println!("KTAP version 1\n1..0 # SKIP {reason}");
+        std::process::exit(4);
+    }
+}
+
 /// The rig's vgpu instance: `vgpuN` (normally vgpu0; a rebind can make it another number).
 pub fn vgpu_name() -> anyhow::Result<String> {
     let mut names = std::fs::read_dir("/sys/class/vgpu")
@@ -156,10 +184,11 @@ pub fn fgds_refusal() -> anyhow::Result<Option<String>> {
     }
 }
 
-/// Exits with the kselftest skip code, and the reason on the plan line, if fgds refuses the
-/// setup (see [`fgds_refusal`]). A probe that fails otherwise is printed, and the program's
+/// Exits with the kselftest skip code, and the reason on the plan line, if the run has no vgpu
+/// ([`skip_unless_vgpu`]) or fgds refuses the setup (see [`fgds_refusal`]). A probe that fails otherwise is printed, and the program's
 /// cases run (and fail on their own).
 pub fn skip_if_fgds_refuses() {
+    skip_unless_vgpu();
     match fgds_refusal() {
         Ok(None) => {}
         Ok(Some(reason)) => {

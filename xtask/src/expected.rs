@@ -7,8 +7,7 @@
 //!
 //! [`RunConfig`]: the kernel (its series and its `.config`), fgds's `pages=` parameter, vgpu's
 //! mode, whether a translating vIOMMU is there (`--iommu`), and the exporter of the GPU memory
-//! (today always the rig's vgpu; vfio-pci's BAR dma-bufs are coming: add a variant to
-//! [`Exporter`] and a [`When`] that names it, then rows).
+//! (`--exporter`: the rig's vgpu, or vfio-pci's BAR dma-bufs; [`Exporter`]).
 //!
 //! # Reading the tables
 //!
@@ -86,7 +85,23 @@ pub enum VgpuMode {
 pub enum Exporter {
     /// The rig's test exporter (driver/vgpu).
     Vgpu,
+    /// vfio-pci (`VFIO_DEVICE_FEATURE_DMA_BUF`, Linux 6.19 and later): the GPU is bound to
+    /// vfio-pci instead of vgpu, and vgpu is not loaded.
+    Vfio,
 }
+
+impl Exporter {
+    /// The name `--exporter` takes and the guest sees in `FGDS_EXPORTER`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Exporter::Vgpu => "vgpu",
+            Exporter::Vfio => "vfio",
+        }
+    }
+}
+
+/// The values of test-vm's `--exporter`.
+pub const EXPORTERS: [&str; 2] = ["vgpu", "vfio"];
 
 /// What a run is, as far as its expected outcome goes.
 #[derive(Debug, Clone)]
@@ -115,6 +130,7 @@ pub enum When {
     Pages(Pages),
     VgpuMode(VgpuMode),
     Iommu(bool),
+    Exporter(Exporter),
     /// fgds's mode, as [`MODES`] gives it, is one of these (not for rows of [`MODES`]).
     Mode(&'static [Mode]),
 }
@@ -129,11 +145,16 @@ pub struct ModeRow {
 /// P2PDMA pages wherever the kernel has CONFIG_PCI_P2PDMA, GENERIC pages elsewhere; GENERIC pages
 /// are allowed in the rig unless a vIOMMU translates DMA (the devices share a PCIe switch, which
 /// fgds's own topology walk, or the kernel's P2P check where it has one, accepts); see
-/// docs/driver.md, Page providers.
+/// docs/driver.md, Page providers. vfio-pci registers no P2PDMA pages for the BAR it exports
+/// (its dma-bufs carry addresses only), so with `--exporter vfio` fgds creates its own as with
+/// plain vgpu.
 pub const MODES: &[ModeRow] = &[
     // The exporter registered P2PDMA pages for its BAR: fgds reuses them, whatever `pages=`.
     ModeRow {
-        when: &[When::VgpuMode(VgpuMode::P2pdma)],
+        when: &[
+            When::Exporter(Exporter::Vgpu),
+            When::VgpuMode(VgpuMode::P2pdma),
+        ],
         mode: Mode::ExporterP2pdma,
     },
     ModeRow {
@@ -192,8 +213,47 @@ const FAULT_INJECTION: &[&str] = &[
     "CONFIG_FAIL_MAKE_REQUEST",
 ];
 
+/// The programs of the suite that need vgpu (its allocator, its sysfs, its node, or the GPU
+/// bound to it): with `--exporter vfio` they skip as a whole.
+const VGPU_PROGRAMS: &[&str] = &[
+    "fgds_badinput",
+    "fgds_data",
+    "fgds_lifetime",
+    "fgds_host",
+    "rfc_client",
+    "fgds_hotplug",
+    "fgds_fault_unload",
+    "fgds_fault_kill",
+    "fgds_revoke",
+    "fgds_fault_drive",
+    "fgds_fault_nvme_unplug",
+    "fgds_fault_gpu_unplug",
+    "fgds_fault_inject",
+    "fgds_cli",
+    "fgds_crate",
+    "vgpu_exporter",
+    "smoke::vgpu_mmap_reaches_backing_file",
+    "rig_control::gpu_unplug_and_replug",
+    "rig_control::gpu_check_sees_memory_as_it_is_now",
+];
+
 /// The skips each configuration expects (see the module's documentation).
 pub const SKIPS: &[Skip] = &[
+    Skip {
+        cases: VGPU_PROGRAMS,
+        when: &[When::Exporter(Exporter::Vfio)],
+        reason: "the GPU is bound to vfio-pci",
+        why: "these programs allocate GPU memory from vgpu (or unplug, unbind and check the GPU \
+              through it); with --exporter vfio the GPU is vfio-pci's and vgpu is not loaded: \
+              fgds_vfio runs the data and revocation cases against vfio-pci instead",
+    },
+    Skip {
+        cases: &["fgds_vfio"],
+        when: &[When::Exporter(Exporter::Vgpu)],
+        reason: "the GPU is not bound to vfio-pci",
+        why: "fgds_vfio imports vfio-pci's BAR dma-bufs: it runs with --iommu --exporter vfio \
+              (cargo xtask matrix has those runs on debian:7.2 and debian:7.3)",
+    },
     Skip {
         cases: &["kmemleak"],
         when: &[When::LacksAny(&["CONFIG_DEBUG_KMEMLEAK"])],
@@ -270,6 +330,7 @@ impl RunConfig {
         pages: &str,
         vgpu_mode: &str,
         iommu: bool,
+        exporter: &str,
     ) -> anyhow::Result<RunConfig> {
         let text = std::fs::read(&kernel.config).map_err(|err| {
             anyhow::format_err!(
@@ -300,7 +361,11 @@ impl RunConfig {
                 other => anyhow::bail!("--vgpu-mode {other}: use plain or p2pdma"),
             },
             iommu,
-            exporter: Exporter::Vgpu,
+            exporter: match exporter {
+                "vgpu" => Exporter::Vgpu,
+                "vfio" => Exporter::Vfio,
+                other => anyhow::bail!("--exporter {other}: use vgpu or vfio"),
+            },
         })
     }
 
@@ -324,6 +389,7 @@ impl RunConfig {
             When::Pages(pages) => self.pages == pages,
             When::VgpuMode(mode) => self.vgpu_mode == mode,
             When::Iommu(on) => self.iommu == on,
+            When::Exporter(exporter) => self.exporter == exporter,
             When::Mode(modes) => mode(self).is_ok_and(|m| modes.contains(&m)),
         }
     }
@@ -352,6 +418,9 @@ pub fn mode(config: &RunConfig) -> anyhow::Result<Mode> {
             config.kernel
         );
     }
+    if config.exporter == Exporter::Vfio {
+        vfio_runnable(config)?;
+    }
     MODES
         .iter()
         .find(|row| config.all(row.when))
@@ -362,6 +431,28 @@ pub fn mode(config: &RunConfig) -> anyhow::Result<Mode> {
                 config.describe()
             )
         })
+}
+
+/// Why `--exporter vfio` cannot run in `config`, if it cannot.
+fn vfio_runnable(config: &RunConfig) -> anyhow::Result<()> {
+    if !config.configs.contains("CONFIG_VFIO_PCI_DMABUF") {
+        anyhow::bail!(
+            "--exporter vfio needs a kernel with CONFIG_VFIO_PCI_DMABUF (vfio-pci's BAR \
+             dma-bufs, Linux 6.19 and later), which {} lacks: use debian:7.2 or debian:7.3",
+            config.kernel
+        );
+    }
+    if !config.iommu {
+        anyhow::bail!(
+            "--exporter vfio needs the translating vIOMMU (--iommu): vfio-pci serves only \
+             devices in an IOMMU group, through a type1 container (Debian's kernels have no \
+             CONFIG_VFIO_NOIOMMU, and the rig does not use vfio's no-IOMMU mode)"
+        );
+    }
+    if config.vgpu_mode != VgpuMode::Plain {
+        anyhow::bail!("--vgpu-mode has no meaning with --exporter vfio (vgpu is not loaded)");
+    }
+    Ok(())
 }
 
 /// Whether `key` (`program::case` or `program`) is one of `pattern`'s cases.
@@ -548,6 +639,68 @@ mod tests {
             ..config((6, 12), &[], Pages::Auto, false)
         };
         assert!(mode(&impossible).is_err());
+    }
+
+    #[test]
+    fn vfio_runs_need_its_kernel_and_the_iommu() {
+        let vfio = |configs: &[&str], iommu| RunConfig {
+            exporter: Exporter::Vfio,
+            ..config((7, 2), configs, Pages::Auto, iommu)
+        };
+        let full = &["CONFIG_PCI_P2PDMA", "CONFIG_VFIO_PCI_DMABUF"];
+        assert_eq!(mode(&vfio(full, true)).unwrap(), Mode::P2pdma);
+        let err = format!("{:#}", mode(&vfio(full, false)).unwrap_err());
+        assert!(err.contains("--iommu"), "{err}");
+        let err = format!(
+            "{:#}",
+            mode(&vfio(&["CONFIG_PCI_P2PDMA"], true)).unwrap_err()
+        );
+        assert!(err.contains("CONFIG_VFIO_PCI_DMABUF"), "{err}");
+        let p2p_vgpu = RunConfig {
+            vgpu_mode: VgpuMode::P2pdma,
+            ..vfio(full, true)
+        };
+        assert!(mode(&p2p_vgpu).is_err());
+    }
+
+    /// A vfio run fails where fgds_vfio skips (say the GPU stayed vgpu's) and where a vgpu
+    /// program runs (vgpu was loaded after all); a vgpu run lets fgds_vfio skip.
+    #[test]
+    fn vfio_cases_must_run_in_vfio_runs() {
+        let vfio = RunConfig {
+            exporter: Exporter::Vfio,
+            ..config(
+                (7, 2),
+                &["CONFIG_PCI_P2PDMA", "CONFIG_VFIO_PCI_DMABUF"],
+                Pages::Auto,
+                true,
+            )
+        };
+        let covered = ["fgds_vfio", "fgds_data"].map(str::to_owned).to_vec();
+        let mut out = vec![
+            outcome(
+                "fgds_vfio",
+                Verdict::Skip("the GPU is not bound to vfio-pci: it is vgpu's".into()),
+            ),
+            outcome(
+                "fgds_data",
+                Verdict::Skip("the GPU is bound to vfio-pci (--exporter vfio)".into()),
+            ),
+        ];
+        assert_eq!(apply(&vfio, "k", &covered, &mut out), 1);
+        assert!(matches!(out[0].verdict, Verdict::Fail(_)));
+        assert!(matches!(out[1].verdict, Verdict::Skip(_)));
+        let mut out = vec![outcome("fgds_data", Verdict::Pass)];
+        apply(&vfio, "k", &covered, &mut out);
+        assert!(
+            matches!(out[0].verdict, Verdict::Fail(_)),
+            "stale: vgpu ran"
+        );
+        let mut out = vec![outcome(
+            "fgds_vfio",
+            Verdict::Skip("the GPU is not bound to vfio-pci: run with --exporter vfio".into()),
+        )];
+        assert_eq!(apply(&stock_612(), "k", &covered, &mut out), 1);
     }
 
     #[test]

@@ -168,20 +168,43 @@ pub struct RigModule {
     pub params: String,
 }
 
-/// Writes the initramfs for a run to `out` and returns the plan it holds; `env` is set for
-/// every test program.
+/// Kernel modules of vfio-pci's BAR dma-bufs with a type1 container (`--exporter vfio`), with
+/// their parameters: vfio_iommu_type1 is no dependency of the others (vfio asks for it by
+/// name), so it is named. The rig's vIOMMU has no interrupt remapping (`intremap=off`), so
+/// type1 refuses every group (EPERM) unless told that unremapped interrupts are acceptable:
+/// the GPU (ivshmem-plain) has no MSI, and no test gives vfio an interrupt.
+pub const VFIO_MODULES: &[(&str, &str)] = &[
+    ("vfio", ""),
+    ("vfio_iommu_type1", "allow_unsafe_interrupts=1"),
+    ("vfio_pci", ""),
+];
+
+/// How the guest is set up before its tests run, besides the suite.
+pub struct GuestSetup<'a> {
+    /// The rig's own modules, loaded last.
+    pub rig_modules: &'a [RigModule],
+    /// Kernel modules beyond the rig's usual ones ([`KERNEL_MODULES`]), where the kernel has
+    /// them as modules, with their parameters.
+    pub kernel_modules: &'a [(&'a str, &'a str)],
+    /// (device, driver): after the kernel modules and before the rig's, the init binds the PCI
+    /// device (`@ivshmem@`: the GPU) to the driver with `driver_override`.
+    pub binds: &'a [(&'a str, &'a str)],
+    /// Set for every test program.
+    pub env: &'a [(&'a str, &'a str)],
+}
+
+/// Writes the initramfs for a run to `out` and returns the plan it holds.
 pub fn make_initramfs(
     kernel: &Kernel,
     cache_dir: &Path,
     bin_dir: &Path,
-    rig_modules: &[RigModule],
+    setup: &GuestSetup,
     suite: &[SuiteEntry],
-    env: &[(&str, &str)],
     out: &Path,
 ) -> anyhow::Result<String> {
     let mut tree = initramfs::base_tree();
     let mut plan = String::new();
-    for (name, value) in env {
+    for (name, value) in setup.env {
         plan.push_str(&format!("env {name} {value}\n"));
     }
     tree.insert(
@@ -200,6 +223,7 @@ pub fn make_initramfs(
     );
 
     let mut names = KERNEL_MODULES.to_vec();
+    names.extend(setup.kernel_modules.iter().map(|(name, _)| *name));
     for (config, name) in OPTIONAL_KERNEL_MODULES {
         if kernel::has_config(kernel, config)? {
             names.push(name);
@@ -208,7 +232,15 @@ pub fn make_initramfs(
     for ko in kernel::module_load_order(kernel, &names, cache_dir)? {
         let file = file_name(&ko);
         let guest = format!("modules/kernel/{file}");
-        plan.push_str(&format!("module kernel /{guest}\n"));
+        // modules.dep names files with `-` or `_` as the source had them; names may use either.
+        let stem = file.split('.').next().unwrap_or_default().replace('-', "_");
+        let params = setup
+            .kernel_modules
+            .iter()
+            .find(|(name, _)| name.replace('-', "_") == stem)
+            .map_or("", |(_, params)| *params);
+        plan.push_str(format!("module kernel /{guest} {params}").trim_end());
+        plan.push('\n');
         tree.insert(
             guest,
             Entry::File {
@@ -217,7 +249,10 @@ pub fn make_initramfs(
             },
         );
     }
-    for module in rig_modules {
+    for (device, driver) in setup.binds {
+        plan.push_str(&format!("bind {device} {driver}\n"));
+    }
+    for module in setup.rig_modules {
         let guest = format!("modules/rig/{}", file_name(&module.ko));
         plan.push_str(format!("module rig /{guest} {}\n", module.params).trim_end());
         plan.push('\n');

@@ -55,6 +55,11 @@ pub struct Options {
     /// host bridge.
     #[arg(long)]
     pub iommu: bool,
+    /// Who exports the GPU's memory: vgpu (the rig's exporter) or vfio (the GPU bound to
+    /// vfio-pci, its BAR exported with VFIO_DEVICE_FEATURE_DMA_BUF; needs --iommu and a kernel
+    /// with CONFIG_VFIO_PCI_DMABUF; vgpu is not loaded).
+    #[arg(long, default_value = "vgpu", value_parser = expected::EXPORTERS)]
+    pub exporter: String,
     /// Run no suite program, only the --exec ones.
     #[arg(long)]
     pub no_suite: bool,
@@ -77,6 +82,7 @@ impl Options {
             no_suite: false,
             dkms: false,
             iommu: false,
+            exporter: "vgpu".to_owned(),
             append: String::new(),
             gpu_bytes: pattern::GPU_MEMORY_BYTES,
             programs: Vec::new(),
@@ -133,6 +139,9 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     if opts.iommu {
         label.push_str("-iommu");
     }
+    if opts.exporter != "vgpu" {
+        label = format!("{label}-{}", opts.exporter);
+    }
     if opts.fgds_pages != "auto" {
         label = format!("{label}-{}", opts.fgds_pages);
     }
@@ -156,7 +165,14 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         display_version(&kernel.package_version)
     );
 
-    let run_config = RunConfig::new(&kernel, &opts.fgds_pages, &opts.vgpu_mode, opts.iommu)?;
+    let run_config = RunConfig::new(
+        &kernel,
+        &opts.fgds_pages,
+        &opts.vgpu_mode,
+        opts.iommu,
+        &opts.exporter,
+    )?;
+    let vfio = run_config.exporter == expected::Exporter::Vfio;
     let expected_mode = expected::mode(&run_config)?;
 
     let bin_dir = guest::bin_dir();
@@ -243,16 +259,31 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     let ext4_image = memory.drive("ext4.img")?;
     let nvme2_image = memory.drive("nvme2.img")?;
     phases.run("image", || {
+        // With vfio-pci as the exporter vgpu is not loaded at all: nothing of it can stand in.
         let rig = kos
             .iter()
             .zip(driver::RIG_MODULES)
+            .filter(|(_, name)| !(vfio && **name == "vgpu"))
             .map(|(ko, name)| guest::RigModule {
                 ko: ko.clone(),
                 params: module_params(name, opts),
             })
             .collect::<Vec<_>>();
-        let env = [("FGDS_EXPECTED_MODE", expected_mode.sysfs())];
-        let plan = guest::make_initramfs(&kernel, &cache, &bin_dir, &rig, &suite, &env, &initrd)?;
+        let env = [
+            ("FGDS_EXPECTED_MODE", expected_mode.sysfs()),
+            ("FGDS_EXPORTER", run_config.exporter.name()),
+        ];
+        let setup = guest::GuestSetup {
+            rig_modules: &rig,
+            kernel_modules: if vfio { guest::VFIO_MODULES } else { &[] },
+            binds: if vfio {
+                &[("@ivshmem@", "vfio-pci")]
+            } else {
+                &[]
+            },
+            env: &env,
+        };
+        let plan = guest::make_initramfs(&kernel, &cache, &bin_dir, &setup, &suite, &initrd)?;
         std::fs::write(run_dir.join("plan.txt"), plan)?;
         disk::write_nvme_image(&nvme_image)?;
         disk::write_gpu_backing(&gpu_backing, opts.gpu_bytes)?;

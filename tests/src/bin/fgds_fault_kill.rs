@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use common::{MIB, Map};
 use fault::{Child, SharedCounter};
-use fgds_tests::ctl;
 use fgds_tests::ktap::{self, Case, CaseResult};
 use io_uring::{IoUring, opcode, types};
 
@@ -199,13 +198,6 @@ fn vgpu_pins(bar_off: u64) -> anyhow::Result<Option<u32>> {
 /// The blkdebug breakpoint tag.
 const TAG: &str = "fgds_fault_kill";
 
-/// A qemu-io command on the raw drive's block node (blkdebug breakpoints), through the host.
-fn qemu_io(cmd: &str) -> anyhow::Result<()> {
-    let out = ctl::request(&format!("hmp qemu-io nvme0-disk \"{cmd}\""))?;
-    ensure!(out.trim().is_empty(), "qemu-io {cmd:?}: {out}");
-    Ok(())
-}
-
 /// A registration released (munmap, close) while a read still pins its pages stays behind
 /// holding the dma-buf pinned; the exporter's driver then unbinds, which revokes it: fgds
 /// waits for the read, gives the dma-buf back, and everything is released and works after a
@@ -240,7 +232,7 @@ fn close_under_io_then_unbind() -> CaseResult {
     }
     // QEMU suspends the first read that reaches the drive (a blkdebug breakpoint), so one
     // request stays in flight, its pages pinned, for as long as the test wants.
-    qemu_io(&format!("break read_aio {TAG}"))?;
+    common::qemu_io(&format!("break read_aio {TAG}"))?;
     let result = (|| -> anyhow::Result<()> {
         ring.submit()?;
         fault::wait_until(
@@ -269,7 +261,7 @@ fn close_under_io_then_unbind() -> CaseResult {
         let unbind = std::thread::spawn(move || std::fs::write(drv2.join("unbind"), bdf2));
         std::thread::sleep(Duration::from_millis(500));
         let waited_for_io = !unbind.is_finished();
-        qemu_io(&format!("resume {TAG}"))?;
+        common::qemu_io(&format!("resume {TAG}"))?;
         let unbound = unbind
             .join()
             .map_err(|_| anyhow::anyhow!("unbind thread panicked"))?;
@@ -290,8 +282,8 @@ fn close_under_io_then_unbind() -> CaseResult {
         Ok(())
     })();
     // One-shot: gone once it fired; removed here if it never did.
-    let _ = qemu_io(&format!("remove_break {TAG}"));
-    let _ = qemu_io(&format!("resume {TAG}"));
+    let _ = common::qemu_io(&format!("remove_break {TAG}"));
+    let _ = common::qemu_io(&format!("resume {TAG}"));
     result?;
     fault::wait_until(
         "vgpu and the node after rebind",

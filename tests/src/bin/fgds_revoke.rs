@@ -76,35 +76,6 @@ fn main() {
 /// The blkdebug breakpoint tag.
 const TAG: &str = "fgds_revoke";
 
-/// A qemu-io command on the raw drive's block node, through the host.
-fn qemu_io(cmd: &str) -> anyhow::Result<()> {
-    let out = ctl::request(&format!("hmp qemu-io nvme0-disk \"{cmd}\""))?;
-    ensure!(out.trim().is_empty(), "qemu-io {cmd:?}: {out}");
-    Ok(())
-}
-
-/// A blkdebug breakpoint on the raw drive: QEMU suspends the first read that reaches it
-/// until [`Breakpoint::resume`]. Dropping it removes and resumes it whatever happened.
-struct Breakpoint;
-
-impl Breakpoint {
-    fn arm() -> anyhow::Result<Breakpoint> {
-        qemu_io(&format!("break read_aio {TAG}"))?;
-        Ok(Breakpoint)
-    }
-
-    fn resume(&self) -> anyhow::Result<()> {
-        qemu_io(&format!("resume {TAG}"))
-    }
-}
-
-impl Drop for Breakpoint {
-    fn drop(&mut self) {
-        let _ = qemu_io(&format!("remove_break {TAG}"));
-        let _ = qemu_io(&format!("resume {TAG}"));
-    }
-}
-
 /// A pread(2) from the raw drive into `map`, in a thread: returns bytes read or the errno.
 fn read_in_thread(map: &Map, len: usize, nvme_off: u64) -> JoinHandle<Result<usize, Errno>> {
     let ptr = map.ptr as usize;
@@ -119,8 +90,8 @@ fn held_read(
     map: &Map,
     len: usize,
     nvme_off: u64,
-) -> anyhow::Result<(Breakpoint, JoinHandle<Result<usize, Errno>>)> {
-    let bp = Breakpoint::arm()?;
+) -> anyhow::Result<(common::Breakpoint, JoinHandle<Result<usize, Errno>>)> {
+    let bp = common::Breakpoint::arm(TAG)?;
     let reader = read_in_thread(map, len, nvme_off);
     std::thread::sleep(Duration::from_millis(500));
     ensure!(
@@ -372,37 +343,7 @@ fn readonly_dmabuf_gives_readonly_mapping() -> CaseResult {
     let (dmabuf, bar_off) = fgds::vgpu::alloc_with(&vgpu, LEN, fgds::vgpu::ALLOC_RDONLY)?;
     vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
     let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
-    match Map::new(&node, idx, LEN as usize, libc::MAP_SHARED) {
-        Err(Errno::ACCESS) => {}
-        Err(e) => bail!("a writable mapping of a read-only dma-buf failed with {e}, want EACCES"),
-        Ok(_) => bail!("a read-only dma-buf gave a writable mapping"),
-    }
-    // SAFETY: a new read-only mapping at an address the kernel picks.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            LEN as usize,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            node.as_raw_fd(),
-            idx as libc::off_t,
-        )
-    };
-    ensure!(
-        ptr != libc::MAP_FAILED,
-        "a read-only mapping failed: {}",
-        std::io::Error::last_os_error()
-    );
-    let map = Map {
-        ptr: ptr.cast(),
-        len: LEN as usize,
-    };
-    // SAFETY: changes the protection of our own mapping only.
-    let r = unsafe { libc::mprotect(ptr, LEN as usize, libc::PROT_READ | libc::PROT_WRITE) };
-    ensure!(
-        r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EACCES),
-        "mprotect(PROT_WRITE) of the read-only mapping gave {r}, want EACCES"
-    );
+    let map = common::map_readonly_checked(&node, idx, LEN as usize)?;
     let nvme = common::nvme(true)?;
     let into = common::pread_raw(&nvme, map.ptr, LEN as usize, SCRATCH);
     ensure!(

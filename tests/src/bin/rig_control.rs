@@ -38,6 +38,9 @@ fn gpu_check_sees_memory_as_it_is_now() -> CaseResult {
     use std::os::fd::AsFd;
     const LEN: u64 = 1 << 20;
     const SEED: u64 = 0x6374_6c31;
+    if let Some(reason) = guest::vgpu_absence() {
+        return ktap::skip(reason);
+    }
     let (dmabuf, bar_off) = fgds::vgpu::alloc(&guest::vgpu_open()?, LEN)?;
     let map = fgds::CpuMapping::new(dmabuf.as_fd(), LEN as usize)?;
     let mut data = vec![0u8; LEN as usize];
@@ -76,6 +79,9 @@ fn wait_for(what: &str, cond: impl Fn() -> bool) -> anyhow::Result<()> {
 }
 
 fn gpu_unplug_and_replug() -> CaseResult {
+    if let Some(reason) = guest::vgpu_absence() {
+        return ktap::skip(reason);
+    }
     ensure!(vgpu_present(), "/dev/vgpu0 is missing before the test");
     ctl::device_del(ctl::GPU_ID)?;
     wait_for("/dev/vgpu0 to go", || !vgpu_present())?;

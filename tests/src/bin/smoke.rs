@@ -97,6 +97,9 @@ fn nvme_pattern_io_uring() -> CaseResult {
 }
 
 fn vgpu_mmap_reaches_backing_file() -> CaseResult {
+    if let Some(reason) = guest::vgpu_absence() {
+        return ktap::skip(reason);
+    }
     const LEN: usize = 2 << 20;
     const SEED: u64 = 0x5eed_0001;
     let dev = vgpu::open(0)?;

@@ -11,6 +11,7 @@ use rustix::io::Errno;
 const SYSFS: &str = "/sys/class/vgpu/vgpu0";
 
 fn main() {
+    fgds_tests::guest::skip_unless_vgpu();
     ktap::run(&[
         Case {
             name: "mode",

@@ -7,9 +7,10 @@
 //! a missing result as a crash.
 //!
 //! The plan, `/etc/fgds/plan`, is written by the host, one directive a line:
-//! `module <kernel|rig> <path> [params]`, `test <name> <path> <timeout-seconds>` and
-//! `env <NAME> <value>` (set for every test). In module params `@ivshmem@` stands for the fake
-//! GPU's PCI address.
+//! `module <kernel|rig> <path> [params]`, `bind <device> <driver>` (binds a PCI device to a
+//! driver with `driver_override`, between module loads, in plan order), `test <name> <path>
+//! <timeout-seconds>` and `env <NAME> <value>` (set for every test). In module params and bind
+//! lines `@ivshmem@` stands for the fake GPU's PCI address.
 //!
 //! Tests get the rig's drives in their environment: `FGDS_NVME` (the raw drive: the pattern,
 //! then scratch), `FGDS_EXT4` (where an ext4 filesystem on a second namespace is mounted) and
@@ -40,6 +41,16 @@ struct Module {
     params: String,
 }
 
+/// One step of the setup, in plan order.
+enum Step {
+    Module(Module),
+    /// Bind the PCI device to the driver.
+    Bind {
+        device: String,
+        driver: String,
+    },
+}
+
 struct Test {
     name: String,
     path: String,
@@ -48,7 +59,7 @@ struct Test {
 
 /// What the plan says.
 struct Plan {
-    modules: Vec<Module>,
+    setup: Vec<Step>,
     tests: Vec<Test>,
     /// Environment variables for every test.
     env: Vec<(String, String)>,
@@ -69,13 +80,13 @@ fn main() {
 fn run() -> anyhow::Result<()> {
     mount_kernel_filesystems()?;
     let Plan {
-        modules,
+        setup: steps,
         tests,
         env,
     } = read_plan()?;
     // Modules first: the KTAP port's driver (virtio_console) may be one of them.
     kmsg("begin setup");
-    let mut setup = load_modules(&modules);
+    let mut setup = load_modules(&steps);
     let (drives, drive_errors) = prepare_drives();
     if !drive_errors.is_empty() {
         let previous = setup.err().map(|e| format!("{e:#}\n")).unwrap_or_default();
@@ -144,7 +155,7 @@ fn mount_kernel_filesystems() -> anyhow::Result<()> {
 
 fn read_plan() -> anyhow::Result<Plan> {
     let text = fs::read_to_string(PLAN).with_context(|| format!("cannot read {PLAN}"))?;
-    let mut modules = Vec::new();
+    let mut setup = Vec::new();
     let mut tests = Vec::new();
     let mut env = Vec::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
@@ -154,9 +165,13 @@ fn read_plan() -> anyhow::Result<Plan> {
         }
         let mut words = line.splitn(4, ' ');
         match (words.next(), words.next(), words.next(), words.next()) {
-            (Some("module"), Some(_kind), Some(path), params) => modules.push(Module {
+            (Some("module"), Some(_kind), Some(path), params) => setup.push(Step::Module(Module {
                 path: path.to_owned(),
                 params: params.unwrap_or("").to_owned(),
+            })),
+            (Some("bind"), Some(device), Some(driver), None) => setup.push(Step::Bind {
+                device: device.to_owned(),
+                driver: driver.to_owned(),
             }),
             (Some("test"), Some(name), Some(path), Some(timeout)) => tests.push(Test {
                 name: name.to_owned(),
@@ -170,11 +185,7 @@ fn read_plan() -> anyhow::Result<Plan> {
             _ => bail!("malformed plan line {line:?}"),
         }
     }
-    Ok(Plan {
-        modules,
-        tests,
-        env,
-    })
+    Ok(Plan { setup, tests, env })
 }
 
 /// Finds the virtio-serial port named [`KTAP_PORT_NAME`] (there is no udev to make the
@@ -201,11 +212,30 @@ fn open_ktap_port() -> anyhow::Result<File> {
     }
 }
 
-fn load_modules(modules: &[Module]) -> anyhow::Result<()> {
+fn load_modules(steps: &[Step]) -> anyhow::Result<()> {
     let ivshmem = find_pci_device("0x1af4", "0x1110");
     let mut loaded = String::new();
     let mut errors = Vec::new();
-    for module in modules {
+    for step in steps {
+        let module = match step {
+            Step::Module(module) => module,
+            Step::Bind { device, driver } => {
+                let device = match (&ivshmem, device.as_str()) {
+                    (Some(bdf), "@ivshmem@") => bdf.clone(),
+                    (None, "@ivshmem@") => {
+                        errors.push(format!(
+                            "bind to {driver}: no ivshmem device (1af4:1110) found"
+                        ));
+                        continue;
+                    }
+                    (_, other) => other.to_owned(),
+                };
+                if let Err(err) = bind(&device, driver) {
+                    errors.push(format!("{err:#}"));
+                }
+                continue;
+            }
+        };
         let params = match (&ivshmem, module.params.contains("@ivshmem@")) {
             (Some(bdf), true) => module.params.replace("@ivshmem@", bdf),
             (None, true) => {
@@ -241,6 +271,27 @@ fn load_modules(modules: &[Module]) -> anyhow::Result<()> {
     } else {
         bail!("{}", errors.join("\n"))
     }
+}
+
+/// Binds PCI device `bdf` to `driver` (loaded already): `driver_override`, away from the driver
+/// it has if any, `drivers_probe`; fails unless the device then has that driver.
+fn bind(bdf: &str, driver: &str) -> anyhow::Result<()> {
+    let dev = Path::new("/sys/bus/pci/devices").join(bdf);
+    fs::write(dev.join("driver_override"), driver)
+        .with_context(|| format!("cannot set driver_override of {bdf} to {driver}"))?;
+    if dev.join("driver").exists() {
+        fs::write(dev.join("driver/unbind"), bdf)
+            .with_context(|| format!("cannot unbind {bdf} from its driver"))?;
+    }
+    fs::write("/sys/bus/pci/drivers_probe", bdf)
+        .with_context(|| format!("cannot bind {bdf} to {driver} (drivers_probe)"))?;
+    let bound = fs::read_link(dev.join("driver"))
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
+    if bound.as_deref() != Some(driver) {
+        bail!("{bdf} is bound to {bound:?} after drivers_probe, not to {driver}");
+    }
+    Ok(())
 }
 
 fn is_loaded(path: &str) -> bool {
