@@ -73,6 +73,7 @@ struct Api {
     primary_ctx_retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
     primary_ctx_release: unsafe extern "C" fn(CuDevice) -> CuResult,
     ctx_set_current: unsafe extern "C" fn(CuContext) -> CuResult,
+    ctx_synchronize: unsafe extern "C" fn() -> CuResult,
     mem_alloc: unsafe extern "C" fn(*mut DevicePtr, usize) -> CuResult,
     mem_free: unsafe extern "C" fn(DevicePtr) -> CuResult,
     memset_d8: unsafe extern "C" fn(DevicePtr, u8, usize) -> CuResult,
@@ -123,6 +124,7 @@ impl Api {
             primary_ctx_retain: sym!("cuDevicePrimaryCtxRetain"),
             primary_ctx_release: sym!("cuDevicePrimaryCtxRelease_v2"),
             ctx_set_current: sym!("cuCtxSetCurrent"),
+            ctx_synchronize: sym!("cuCtxSynchronize"),
             mem_alloc: sym!("cuMemAlloc_v2"),
             mem_free: sym!("cuMemFree_v2"),
             memset_d8: sym!("cuMemsetD8_v2"),
@@ -459,6 +461,16 @@ impl Device {
             context: Arc::clone(&self.context),
             ptr: ptr.cast(),
         })
+    }
+
+    /// Waits until every stream of the device's primary context has finished its work
+    /// (`cuCtxSynchronize`): DMA that the GPU does not order (an NVMe drive writing its memory)
+    /// must not race a kernel still using it.
+    pub fn synchronize(&self) -> Result<()> {
+        self.context.make_current()?;
+        // SAFETY: no arguments; the context is current on this thread.
+        let res = unsafe { (self.api().ctx_synchronize)() };
+        self.api().check("cuCtxSynchronize", res)
     }
 
     /// Copies `src` to device memory at `dst` (`cuMemcpyHtoD`: synchronous for page-locked

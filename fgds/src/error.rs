@@ -41,7 +41,7 @@ pub enum Error {
     },
     /// The CUDA driver library cannot be loaded.
     #[error(
-        "cannot load the CUDA driver ({reason}): install the NVIDIA driver's CUDA library (libcuda.so.1, e.g. Debian's libcuda1 or the driver's own installer), or pass a dma-buf with --dmabuf-fd"
+        "cannot load the CUDA driver ({reason}): install the NVIDIA driver's CUDA library (libcuda.so.1, e.g. Debian's libcuda1 or the driver's own installer), or pass a dma-buf instead (the CLI's --dmabuf-fd, Python's fgds.DmaBuf)"
     )]
     CudaUnavailable { reason: String },
     /// A CUDA driver API call failed.

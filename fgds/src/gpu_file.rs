@@ -286,6 +286,9 @@ impl GpuFile {
         plan: std::result::Result<DirectRange, NotDirect>,
         fallback: bool,
     ) -> Result<Completion> {
+        if n > 0 {
+            mem.synchronize()?;
+        }
         let range = match plan {
             Ok(range) => range,
             Err(not) if fallback => {

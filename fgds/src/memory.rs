@@ -50,6 +50,12 @@ pub trait GpuMemory: Send + Sync {
 
     /// One line for messages: what memory this is.
     fn describe(&self) -> String;
+
+    /// Waits for the work the GPU runtime has queued that may use the memory, before a
+    /// transfer moves data behind the runtime's back (CUDA: `cuCtxSynchronize`).
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// A registration that covers some GPU memory: the memory's first byte is at `offset` of
@@ -645,6 +651,10 @@ impl GpuMemory for CudaMemory {
         self.check(offset, dst.len())?;
         // SAFETY: as in `copy_in`.
         unsafe { self.device.copy_from_device(dst, self.ptr + offset) }
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.device.synchronize()
     }
 
     fn describe(&self) -> String {
