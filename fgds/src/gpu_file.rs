@@ -309,6 +309,27 @@ impl GpuFile {
         };
         let direct = self.direct.as_ref().expect("plan checked the O_DIRECT fd");
         let aligned = n / self.align * self.align;
+        if aligned == 0 && n > 0 {
+            // Nothing fills one block: O_DIRECT cannot move any of it.
+            let reason = format!(
+                "{n} bytes are less than one block of {}'s O_DIRECT alignment ({} bytes), the least O_DIRECT moves",
+                self.path.display(),
+                self.align
+            );
+            if !fallback {
+                return Err(Error::DirectUnavailable {
+                    errno: libc::EINVAL,
+                    reason,
+                });
+            }
+            self.bounce(dir, mem, file_offset, mem_offset, n)?;
+            return Ok(Completion {
+                bytes: n,
+                path: IoPath::Bounce,
+                reason: Some(reason),
+                bounced: n,
+            });
+        }
         if aligned > 0 {
             let start = usize::try_from(range.offset + mem_offset)
                 .map_err(|_| Error::Invalid("offset past the address space".to_owned()))?;

@@ -124,30 +124,33 @@ fn check(wheel: &Path) -> anyhow::Result<()> {
 }
 
 /// The Python that stages the guest's tree: argv `wheel out tests...`. It unpacks the wheel,
-/// imports what the tests import (the tests' `__main__` blocks do not run), and stages every
-/// module of the standard library then loaded, compiled, with the extension modules and the
-/// shared libraries they and the interpreter need.
+/// has a child interpreter import what the tests import (their `__main__` blocks do not run),
+/// and stages every module of the standard library the child loaded, compiled, with the
+/// extension modules and the shared libraries they and the interpreter need.
 const STAGE: &str = r#"
-import importlib, os, py_compile, shutil, subprocess, sys, sysconfig, zipfile
+import os, py_compile, shutil, subprocess, sys, sysconfig, zipfile
 wheel, out, tests = sys.argv[1], sys.argv[2], sys.argv[3:]
 site = os.path.join(out, "usr/lib/python3/dist-packages")
 with zipfile.ZipFile(wheel) as z:
     z.extractall(site)
-sys.path[:0] = [site] + sorted({os.path.dirname(t) for t in tests})
-for t in tests:
-    importlib.import_module(os.path.splitext(os.path.basename(t))[0])
-# Imported at run time only (by the thread pool, by error paths).
-for name in ["concurrent.futures.thread", "encodings.latin_1", "encodings.ascii"]:
+# What the guest's interpreter loads: a child that starts as it does (no -S) and imports the
+# tests' modules and what they import at run time only (the thread pool, error paths).
+LIST = """
+import importlib, sys
+sys.path[:0] = [sys.argv[1]] + [path.rsplit("/", 1)[0] for path in sys.argv[2:]]
+for name in ["fgds", "concurrent.futures.thread", "encodings.latin_1", "encodings.ascii"]:
     importlib.import_module(name)
-stdlib = sysconfig.get_paths()["stdlib"]
-dynload = os.path.join(stdlib, "lib-dynload")
-shared = [sys.executable]
-os.makedirs(os.path.join(out, dynload.lstrip("/")), exist_ok=True)
+for path in sys.argv[2:]:
+    importlib.import_module(path.rsplit("/", 1)[1].rsplit(".", 1)[0])
 for module in list(sys.modules.values()):
-    f = getattr(module, "__file__", None)
-    if not f:
-        continue
-    f = os.path.abspath(f)
+    print(getattr(module, "__file__", None) or "")
+"""
+files = subprocess.run([sys.executable, "-E", "-c", LIST, site] + [os.path.abspath(t) for t in tests],
+                       stdout=subprocess.PIPE, text=True, check=True).stdout.split()
+stdlib = sysconfig.get_paths()["stdlib"]
+os.makedirs(os.path.join(out, stdlib.lstrip("/"), "lib-dynload"), exist_ok=True)
+shared = [sys.executable]
+for f in map(os.path.abspath, files):
     if f.startswith(site + "/") and f.endswith(".so"):
         shared.append(f)
     if not f.startswith(stdlib + "/"):
