@@ -120,7 +120,12 @@ impl CpuMapping {
         }
         for (i, byte) in src[head + body..].iter().enumerate() {
             // SAFETY: in bounds (checked above).
-            unsafe { self.ptr.as_ptr().add(offset + head + body + i).write_volatile(*byte) };
+            unsafe {
+                self.ptr
+                    .as_ptr()
+                    .add(offset + head + body + i)
+                    .write_volatile(*byte)
+            };
         }
     }
 
@@ -139,7 +144,12 @@ impl CpuMapping {
         }
         for (i, byte) in dst[head + body..].iter_mut().enumerate() {
             // SAFETY: in bounds (checked above).
-            *byte = unsafe { self.ptr.as_ptr().add(offset + head + body + i).read_volatile() };
+            *byte = unsafe {
+                self.ptr
+                    .as_ptr()
+                    .add(offset + head + body + i)
+                    .read_volatile()
+            };
         }
     }
 }
@@ -159,8 +169,7 @@ pub(crate) const SYNC_END: u64 = 4;
 /// `SYNC_WRITE`, with `SYNC_END` for the closing call), so that the exporter can make caches
 /// and device writes coherent. Exporters without CPU-access hooks accept it as a no-op.
 pub(crate) fn dmabuf_sync(dmabuf: BorrowedFd<'_>, flags: u64) -> Result<()> {
-    const IOCTL_SYNC: rustix::ioctl::Opcode =
-        rustix::ioctl::opcode::write::<DmabufSync>(b'b', 0);
+    const IOCTL_SYNC: rustix::ioctl::Opcode = rustix::ioctl::opcode::write::<DmabufSync>(b'b', 0);
     // SAFETY: `DmabufSync` is `struct dma_buf_sync` and the opcode encodes its size; the
     // kernel only reads it.
     unsafe {

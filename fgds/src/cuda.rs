@@ -234,7 +234,8 @@ impl Cuda {
             let mut value = T::default();
             // SAFETY: `T` is the type CUDA writes for `attr` (the constants above say which);
             // the driver writes one value of it.
-            let res = unsafe { (api.pointer_get_attribute)((&mut value as *mut T).cast(), attr, ptr) };
+            let res =
+                unsafe { (api.pointer_get_attribute)((&mut value as *mut T).cast(), attr, ptr) };
             (res, value)
         }
         let (res, memory_type) = attribute::<c_uint>(api, POINTER_MEMORY_TYPE, ptr);

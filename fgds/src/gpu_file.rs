@@ -240,7 +240,15 @@ impl GpuFile {
         check_fits(mem, size, mem_offset)?;
         let n = size.min(self.len()?.saturating_sub(file_offset));
         let plan = self.plan(mem, file_offset, mem_offset);
-        self.run(Direction::Read, mem, n, file_offset, mem_offset, plan, fallback)
+        self.run(
+            Direction::Read,
+            mem,
+            n,
+            file_offset,
+            mem_offset,
+            plan,
+            fallback,
+        )
     }
 
     /// Writes `size` bytes of `mem` at `mem_offset` to the file at `file_offset`, as
@@ -364,14 +372,8 @@ impl GpuFile {
         }
         let tail = n - aligned;
         if tail > 0 {
-            self.bounce(
-                dir,
-                mem,
-                file_offset + aligned,
-                mem_offset + aligned,
-                tail,
-            )
-            .map_err(|e| shifted(e, aligned, n))?;
+            self.bounce(dir, mem, file_offset + aligned, mem_offset + aligned, tail)
+                .map_err(|e| shifted(e, aligned, n))?;
         }
         Ok(Completion {
             bytes: n,
@@ -503,7 +505,10 @@ impl GpuFile {
 
 /// Refuses a range of the memory that is not there.
 fn check_fits(mem: &dyn GpuMemory, size: u64, mem_offset: u64) -> Result<()> {
-    if mem_offset.checked_add(size).is_none_or(|end| end > mem.len()) {
+    if mem_offset
+        .checked_add(size)
+        .is_none_or(|end| end > mem.len())
+    {
         return Err(Error::Invalid(format!(
             "{size} bytes at offset {mem_offset} do not fit in {}",
             mem.describe()
@@ -616,7 +621,10 @@ mod tests {
             self.bytes.lock().unwrap().len() as u64
         }
         fn direct(&self) -> std::result::Result<DirectRange, NotDirect> {
-            Err(NotDirect::new(libc::ENODEV, "test memory has no registration"))
+            Err(NotDirect::new(
+                libc::ENODEV,
+                "test memory has no registration",
+            ))
         }
         fn staging(&self) -> Result<Arc<StagingPool>> {
             Ok(Arc::clone(&self.pool))
@@ -656,12 +664,20 @@ mod tests {
         let done = file.read(&mem, 6 * 4096, 4096, 100, true).unwrap();
         assert_eq!(done.bytes, 2 * 4096 + 100);
         assert_eq!(done.path, IoPath::Bounce);
-        assert_eq!(done.reason.as_deref(), Some("test memory has no registration"));
+        assert_eq!(
+            done.reason.as_deref(),
+            Some("test memory has no registration")
+        );
         let got = mem.bytes.lock().unwrap().clone();
         assert_eq!(&got[100..100 + done.bytes as usize], &bytes[4096..]);
         assert!(got[..100].iter().all(|&b| b == 0xab));
         assert!(got[100 + done.bytes as usize..].iter().all(|&b| b == 0xab));
-        assert_eq!(file.read(&mem, 4096, bytes.len() as u64, 0, true).unwrap().bytes, 0);
+        assert_eq!(
+            file.read(&mem, 4096, bytes.len() as u64, 0, true)
+                .unwrap()
+                .bytes,
+            0
+        );
         assert_eq!(file.read(&mem, 4096, 1 << 40, 0, true).unwrap().bytes, 0);
         std::fs::remove_file(path).unwrap();
     }
@@ -673,14 +689,19 @@ mod tests {
         let mem = RamMemory::new(5 * 4096 + 8, 0, 4096);
         let bytes = data(5 * 4096 + 8);
         mem.copy_in(0, &bytes).unwrap();
-        let done = file.write(&mem, bytes.len() as u64 - 8, 13, 8, true).unwrap();
+        let done = file
+            .write(&mem, bytes.len() as u64 - 8, 13, 8, true)
+            .unwrap();
         assert_eq!(done.bytes, 5 * 4096);
         assert_eq!(done.bounced, 5 * 4096);
         let on_disk = std::fs::read(&path).unwrap();
         assert_eq!(on_disk.len(), 13 + 5 * 4096);
         assert_eq!(&on_disk[13..], &bytes[8..]);
         let back = RamMemory::new(5 * 4096, 0, 4096);
-        assert_eq!(file.read(&back, 5 * 4096, 13, 0, true).unwrap().bytes, 5 * 4096);
+        assert_eq!(
+            file.read(&back, 5 * 4096, 13, 0, true).unwrap().bytes,
+            5 * 4096
+        );
         assert_eq!(&back.bytes.lock().unwrap()[..], &bytes[8..]);
         std::fs::remove_file(path).unwrap();
     }
@@ -692,7 +713,10 @@ mod tests {
         let mem = RamMemory::new(4096, 0, 4096);
         let err = file.read(&mem, 4096, 0, 0, false).unwrap_err();
         assert_eq!(err.errno(), libc::ENODEV);
-        assert!(err.to_string().contains("test memory has no registration"), "{err}");
+        assert!(
+            err.to_string().contains("test memory has no registration"),
+            "{err}"
+        );
         assert!(err.to_string().contains("fallback"), "{err}");
         std::fs::remove_file(path).unwrap();
     }
@@ -709,10 +733,15 @@ mod tests {
         assert_eq!(err.errno(), libc::EBADF);
         let err = GpuFile::open(&path, "rw").err().expect("bad mode");
         assert_eq!(err.errno(), libc::EINVAL);
-        let err = GpuFile::open(&path.with_extension("missing"), "r").err().unwrap();
+        let err = GpuFile::open(&path.with_extension("missing"), "r")
+            .err()
+            .unwrap();
         assert_eq!(err.errno(), libc::ENOENT);
         let write_only = GpuFile::open(&path, "a").unwrap();
-        assert_eq!(write_only.read(&mem, 1, 0, 0, true).unwrap_err().errno(), libc::EBADF);
+        assert_eq!(
+            write_only.read(&mem, 1, 0, 0, true).unwrap_err().errno(),
+            libc::EBADF
+        );
         std::fs::remove_file(path).unwrap();
     }
 

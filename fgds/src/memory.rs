@@ -579,10 +579,7 @@ impl Registry {
             };
             match gpu.register(fd, 0, info.size) {
                 Ok(buffer) => return Ok((Arc::new(buffer), bdf)),
-                Err(err) => refusals.push(NotDirect::new(
-                    err.errno(),
-                    format!("GPU {bdf}: {err}"),
-                )),
+                Err(err) => refusals.push(NotDirect::new(err.errno(), format!("GPU {bdf}: {err}"))),
             }
         }
         // A refusal other than "not this GPU's memory" is the one that matters.
@@ -617,7 +614,10 @@ pub struct CudaMemory {
 
 impl CudaMemory {
     fn check(&self, offset: u64, len: usize) -> Result<()> {
-        if offset.checked_add(len as u64).is_none_or(|end| end > self.len) {
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > self.len)
+        {
             return Err(Error::Invalid(format!(
                 "{len} bytes at offset {offset} are outside the {}-byte CUDA memory",
                 self.len
@@ -692,7 +692,10 @@ impl DmabufMemory {
     }
 
     fn mapping(&self, offset: u64, len: usize) -> Result<Arc<(CpuMapping, usize)>> {
-        if offset.checked_add(len as u64).is_none_or(|end| end > self.len) {
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > self.len)
+        {
             return Err(Error::Invalid(format!(
                 "{len} bytes at offset {offset} are outside the {}-byte dma-buf range",
                 self.len
@@ -709,14 +712,12 @@ impl DmabufMemory {
             start,
             (self.offset + self.len - start) as usize,
         )
-        .map_err(|err| {
-            Error::Refused {
-                errno: err.errno(),
-                reason: format!(
-                    "the dma-buf (exporter {}) has no CPU mapping for the fallback's copies: {err}",
-                    self.exporter
-                ),
-            }
+        .map_err(|err| Error::Refused {
+            errno: err.errno(),
+            reason: format!(
+                "the dma-buf (exporter {}) has no CPU mapping for the fallback's copies: {err}",
+                self.exporter
+            ),
         })?;
         let made = Arc::new((mapped, (self.offset - start) as usize));
         *map = Some(Arc::clone(&made));

@@ -97,8 +97,16 @@ impl Memory {
 
     fn __repr__(&self) -> String {
         match self.inner.direct() {
-            Ok(r) => format!("<fgds memory: {}, direct via GPU {}>", self.inner.describe(), r.gpu),
-            Err(n) => format!("<fgds memory: {}, not direct: {}>", self.inner.describe(), n.reason),
+            Ok(r) => format!(
+                "<fgds memory: {}, direct via GPU {}>",
+                self.inner.describe(),
+                r.gpu
+            ),
+            Err(n) => format!(
+                "<fgds memory: {}, not direct: {}>",
+                self.inner.describe(),
+                n.reason
+            ),
         }
     }
 }
@@ -131,7 +139,9 @@ fn dmabuf_memory(
     gpu: Option<String>,
 ) -> PyResult<Memory> {
     if fd < 0 {
-        return Err(py_err(fgds::Error::Invalid(format!("fd {fd} is not a file descriptor"))));
+        return Err(py_err(fgds::Error::Invalid(format!(
+            "fd {fd} is not a file descriptor"
+        ))));
     }
     let memory: DmabufMemory = py
         .detach(|| {
@@ -211,7 +221,8 @@ fn dlpack_info(capsule: &Bound<'_, PyCapsule>) -> PyResult<(u64, u64, i32, i32)>
         unsafe { &raw const (*managed.cast::<DlManagedTensor>().as_ptr()).dl_tensor }
     } else {
         return Err(py_err(fgds::Error::Invalid(
-            "not a DLPack capsule (named dltensor or dltensor_versioned), or one already consumed".to_owned(),
+            "not a DLPack capsule (named dltensor or dltensor_versioned), or one already consumed"
+                .to_owned(),
         )));
     };
     // SAFETY: the producer keeps the DLTensor and its shape and strides arrays (of `ndim`

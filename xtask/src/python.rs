@@ -52,14 +52,26 @@ fn tools_venv(packages: &[&str]) -> anyhow::Result<PathBuf> {
     let venv = host::cache_dir()?.join("python-tools");
     let python = venv.join("bin/python");
     if !python.exists() {
-        run(Command::new("/usr/bin/python3").args(["-m", "venv"]).arg(&venv))
-            .context("creating the build tools' venv")?;
+        run(Command::new("/usr/bin/python3")
+            .args(["-m", "venv"])
+            .arg(&venv))
+        .context("creating the build tools' venv")?;
     }
     let marker = venv.join(format!("installed-{}", packages.join("+")));
     if !marker.exists() {
-        eprintln!("wheel: installing {} into {}", packages.join(" "), venv.display());
+        eprintln!(
+            "wheel: installing {} into {}",
+            packages.join(" "),
+            venv.display()
+        );
         run(Command::new(&python)
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
             .args(packages))
         .with_context(|| format!("pip install {} from PyPI", packages.join(" ")))?;
         std::fs::write(&marker, "")?;
@@ -90,7 +102,14 @@ pub fn build_wheel() -> anyhow::Result<PathBuf> {
     }
     run(Command::new(venv.join("bin/maturin"))
         .current_dir(&root)
-        .args(["build", "--quiet", "--release", "-m", "python/Cargo.toml", "--out"])
+        .args([
+            "build",
+            "--quiet",
+            "--release",
+            "-m",
+            "python/Cargo.toml",
+            "--out",
+        ])
         .arg(&out)
         // The guest binaries' static flags must not reach a shared object.
         .env_remove("RUSTFLAGS"))
@@ -107,20 +126,34 @@ pub fn build_wheel() -> anyhow::Result<PathBuf> {
 }
 
 /// mypy --strict over the package and the tests, and stubtest of the native module's stub.
-fn check(wheel: &Path) -> anyhow::Result<()> {
+pub fn check(wheel: &Path) -> anyhow::Result<()> {
     let venv = tools_venv(&[MATURIN, MYPY])?;
     let python = venv.join("bin/python");
     run(Command::new(&python)
-        .args(["-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps"])
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--force-reinstall",
+            "--no-deps",
+        ])
         .arg(wheel))?;
     let root = crate::project_root();
     run(Command::new(&python)
         .current_dir(root.join("tests/python"))
-        .args(["-m", "mypy", "--strict", "--no-incremental", "-p", "fgds", "."]))
+        .args([
+            "-m",
+            "mypy",
+            "--strict",
+            "--no-incremental",
+            "-p",
+            "fgds",
+            ".",
+        ]))
     .context("mypy --strict")?;
-    run(Command::new(&python)
-        .args(["-m", "mypy.stubtest", "fgds._fgds"]))
-    .context("stubtest fgds._fgds")
+    run(Command::new(&python).args(["-m", "mypy.stubtest", "fgds._fgds"]))
+        .context("stubtest fgds._fgds")
 }
 
 /// The Python that stages the guest's tree: argv `wheel out tests...`. It unpacks the wheel,

@@ -263,7 +263,9 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
             })
             .collect::<Vec<_>>();
         let env = [("FGDS_EXPECTED_MODE", expected_mode.sysfs())];
-        let python = python.as_ref().map(|(root, modules)| (root.as_path(), modules.as_slice()));
+        let python = python
+            .as_ref()
+            .map(|(root, modules)| (root.as_path(), modules.as_slice()));
         let plan = guest::make_initramfs(
             &kernel, &cache, &bin_dir, &rig, &suite, &env, python, &initrd,
         )?;
