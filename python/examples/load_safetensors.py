@@ -14,6 +14,7 @@ What it prints is in docs/python.md ("On a real GPU").
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import struct
@@ -87,14 +88,15 @@ def main() -> int:
     print("fgds doctor:")
     print("  " + fgds.doctor().rstrip().replace("\n", "\n  "))
 
+    torch: Any
     try:
-        import torch
+        torch = importlib.import_module("torch")
     except ImportError:
-        torch = None  # type: ignore[assignment]
+        torch = None
     if torch is not None and torch.cuda.is_available():
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
         gpu = torch.empty(length, dtype=torch.uint8, device="cuda")
-        target: object = gpu
+        target: Any = gpu
         to_host: Callable[[], bytes] = lambda: gpu.cpu().numpy().tobytes()
     else:
         print("no torch with CUDA: CUDA memory from the driver API (ctypes)")
@@ -117,11 +119,11 @@ def main() -> int:
             assert cu.cuMemcpyDtoH_v2(out, ptr, ctypes.c_size_t(length)) == 0
             return out.raw
 
-    print(f"is_direct: {fgds.is_direct(target)}; why not: {fgds.why_not_direct(target)}")  # type: ignore[arg-type]
+    print(f"is_direct: {fgds.is_direct(target)}; why not: {fgds.why_not_direct(target)}")
 
     def fgds_load() -> fgds.Completed:
         with fgds.open(args.file) as f:
-            return f.pread(target, length, start).get()  # type: ignore[arg-type]
+            return f.pread(target, length, start).get()
 
     # Correctness: a cold read through fgds, then the bytes against a plain read.
     cold = drop_caches()

@@ -1,7 +1,20 @@
 """Types of fgds._fgds, the native half of the fgds package (python/src/lib.rs)."""
 
 import os
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, final
+
+__all__ = [
+    "DirectUnavailable",
+    "Error",
+    "File",
+    "Memory",
+    "cached",
+    "clear_cache",
+    "cuda_memory",
+    "dlpack_info",
+    "dmabuf_memory",
+    "doctor",
+]
 
 class Error(OSError):
     """An fgds error: ``errno`` names it, ``strerror`` says what was wrong and what to do."""
@@ -12,6 +25,7 @@ class Error(OSError):
 class DirectUnavailable(Error):
     """The direct path is not there for a transfer and the fallback through host RAM is off."""
 
+@final
 class Memory:
     """GPU memory resolved for transfers, with its fgds registration or the reason for none."""
 
@@ -33,6 +47,7 @@ def dmabuf_memory(fd: int, offset: int, length: int, gpu: Optional[str] = None) 
 def dlpack_info(capsule: Any) -> Tuple[int, int, int, int]:
     """``(address, nbytes, device_type, device_id)`` of a C-contiguous DLPack tensor."""
 
+@final
 class File:
     def __new__(cls, path: os.PathLike[str] | str, mode: str) -> File: ...
     @property

@@ -140,18 +140,17 @@ pub fn check(wheel: &Path) -> anyhow::Result<()> {
         ])
         .arg(wheel))?;
     let root = crate::project_root();
-    run(Command::new(&python)
-        .current_dir(root.join("tests/python"))
-        .args([
-            "-m",
-            "mypy",
-            "--strict",
-            "--no-incremental",
-            "-p",
-            "fgds",
-            ".",
-        ]))
-    .context("mypy --strict")?;
+    let mypy = |dir: &str, args: &[&str]| {
+        run(Command::new(&python)
+            .current_dir(root.join(dir))
+            .args(["-m", "mypy", "--strict", "--no-incremental"])
+            .args(args))
+        .with_context(|| format!("mypy --strict {} in {dir}", args.join(" ")))
+    };
+    mypy("tests/python", &["-p", "fgds"])?;
+    mypy("tests/python", &["."])?;
+    // PyTorch is not installed here: the example's uses of it are unchecked.
+    mypy("python/examples", &["--ignore-missing-imports", "."])?;
     run(Command::new(&python).args(["-m", "mypy.stubtest", "fgds._fgds"]))
         .context("stubtest fgds._fgds")
 }
