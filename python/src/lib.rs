@@ -1,6 +1,6 @@
 //! `fgds._fgds`: the native half of the Python package `fgds` (python/fgds/). It wraps the
 //! crate's [`fgds::GpuFile`] and GPU memory kinds; the Python half turns Python objects (CUDA
-//! arrays, DLPack capsules, dma-buf fds) into [`Memory`] and runs transfers on threads as
+//! arrays, DLPack capsules, dma-buf fds) into `Memory` and runs transfers on threads as
 //! futures. The types are in python/fgds/_fgds.pyi.
 
 use std::ffi::{CStr, c_void};
