@@ -228,25 +228,12 @@ impl GpuFile {
         mem_offset: u64,
         fallback: bool,
     ) -> Result<Completion> {
-        if !self.mode.read {
-            return Err(Error::Refused {
-                errno: libc::EBADF,
-                reason: format!(
-                    "{} is open for writing only: open it with mode r, r+, w+ or a+ to read",
-                    self.path.display()
-                ),
-            });
-        }
-        check_fits(mem, size, mem_offset)?;
-        let n = size.min(self.len()?.saturating_sub(file_offset));
-        let plan = self.plan(mem, file_offset, mem_offset);
-        self.run(
+        self.start(
             Direction::Read,
             mem,
-            n,
+            size,
             file_offset,
             mem_offset,
-            plan,
             fallback,
         )
     }
@@ -261,26 +248,50 @@ impl GpuFile {
         mem_offset: u64,
         fallback: bool,
     ) -> Result<Completion> {
-        if !self.mode.write {
-            return Err(Error::Refused {
-                errno: libc::EBADF,
-                reason: format!(
-                    "{} is open for reading only: open it with mode r+, w, w+, a or a+ to write",
-                    self.path.display()
-                ),
-            });
-        }
-        check_fits(mem, size, mem_offset)?;
-        let plan = self.plan(mem, file_offset, mem_offset);
-        self.run(
+        self.start(
             Direction::Write,
             mem,
             size,
             file_offset,
             mem_offset,
-            plan,
             fallback,
         )
+    }
+
+    /// Checks the file's mode and the memory's range, stops a read at the end of the file,
+    /// plans the path and runs the transfer.
+    fn start(
+        &self,
+        dir: Direction,
+        mem: &dyn GpuMemory,
+        size: u64,
+        file_offset: u64,
+        mem_offset: u64,
+        fallback: bool,
+    ) -> Result<Completion> {
+        let (allowed, instead) = match dir {
+            Direction::Read => (
+                self.mode.read,
+                "writing only: open it with mode r, r+, w+ or a+ to read",
+            ),
+            Direction::Write => (
+                self.mode.write,
+                "reading only: open it with mode r+, w, w+, a or a+ to write",
+            ),
+        };
+        if !allowed {
+            return Err(Error::Refused {
+                errno: libc::EBADF,
+                reason: format!("{} is open for {instead}", self.path.display()),
+            });
+        }
+        check_fits(mem, size, mem_offset)?;
+        let n = match dir {
+            Direction::Read => size.min(self.len()?.saturating_sub(file_offset)),
+            Direction::Write => size,
+        };
+        let plan = self.plan(mem, file_offset, mem_offset);
+        self.run(dir, mem, n, file_offset, mem_offset, plan, fallback)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -413,94 +424,66 @@ impl GpuFile {
             };
         }
         match dir {
-            Direction::Read => self.bounce_read(&pool, mem, file_offset, mem_offset, len),
-            Direction::Write => self.bounce_write(&pool, mem, file_offset, mem_offset, len),
+            Direction::Read => pipeline(
+                &pool,
+                len,
+                |buf, at| pread_exact(&self.buffered, buf, file_offset + at),
+                |buf, at| mem.copy_in(mem_offset + at, buf),
+            ),
+            Direction::Write => pipeline(
+                &pool,
+                len,
+                |buf, at| mem.copy_out(mem_offset + at, buf),
+                |buf, at| pwrite_all(&self.buffered, buf, file_offset + at),
+            ),
         }
     }
+}
 
-    /// The file into staging buffers on this thread, the buffers into the GPU on another.
-    fn bounce_read(
-        &self,
-        pool: &Arc<StagingPool>,
-        mem: &dyn GpuMemory,
-        file_offset: u64,
-        mem_offset: u64,
-        len: u64,
-    ) -> Result<()> {
-        let chunk = pool.chunk_size() as u64;
-        std::thread::scope(|scope| {
-            let (tx, rx) = std::sync::mpsc::sync_channel::<(crate::memory::Lease, u64)>(1);
-            let copier = scope.spawn(move || -> Result<()> {
-                for (lease, at) in rx {
-                    let n = chunk.min(len - at) as usize;
-                    mem.copy_in(mem_offset + at, &lease[..n])
-                        .map_err(|e| shifted(e, at, len))?;
-                }
-                Ok(())
-            });
-            let mut at = 0;
-            let mut failed = None;
-            while at < len {
+/// Moves `len` bytes a staging buffer at a time in two overlapped stages: `fill` puts the
+/// bytes at `at` into a buffer on this thread, `drain` takes them out of it on another, while
+/// `fill` does the next. The first error in byte order is returned, counted from the start.
+fn pipeline(
+    pool: &Arc<StagingPool>,
+    len: u64,
+    mut fill: impl FnMut(&mut [u8], u64) -> Result<()>,
+    drain: impl Fn(&[u8], u64) -> Result<()> + Send,
+) -> Result<()> {
+    let chunk = pool.chunk_size() as u64;
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(crate::memory::Lease, u64)>(1);
+        let drainer = scope.spawn(move || -> Result<()> {
+            for (lease, at) in rx {
                 let n = chunk.min(len - at) as usize;
-                let read = pool.lease().and_then(|mut lease| {
-                    pread_exact(&self.buffered, &mut lease[..n], file_offset + at)?;
-                    Ok(lease)
-                });
-                match read {
-                    Ok(lease) => {
-                        if tx.send((lease, at)).is_err() {
-                            break; // The copier stopped on an error, which it returns.
-                        }
-                    }
-                    Err(err) => {
-                        failed = Some(shifted(err, at, len));
-                        break;
-                    }
-                }
-                at += n as u64;
-            }
-            drop(tx);
-            copier.join().expect("the copy thread panicked")?;
-            failed.map_or(Ok(()), Err)
-        })
-    }
-
-    /// The GPU into staging buffers on another thread, the buffers into the file on this one.
-    fn bounce_write(
-        &self,
-        pool: &Arc<StagingPool>,
-        mem: &dyn GpuMemory,
-        file_offset: u64,
-        mem_offset: u64,
-        len: u64,
-    ) -> Result<()> {
-        let chunk = pool.chunk_size() as u64;
-        std::thread::scope(|scope| {
-            let (tx, rx) = std::sync::mpsc::sync_channel::<Result<(crate::memory::Lease, u64)>>(1);
-            scope.spawn(move || {
-                let mut at = 0;
-                while at < len {
-                    let n = chunk.min(len - at) as usize;
-                    let copied = pool.lease().and_then(|mut lease| {
-                        mem.copy_out(mem_offset + at, &mut lease[..n])?;
-                        Ok(lease)
-                    });
-                    let stop = copied.is_err();
-                    if tx.send(copied.map(|l| (l, at))).is_err() || stop {
-                        return;
-                    }
-                    at += n as u64;
-                }
-            });
-            for item in rx {
-                let (lease, at) = item.map_err(|e| shifted(e, 0, len))?;
-                let n = chunk.min(len - at) as usize;
-                pwrite_all(&self.buffered, &lease[..n], file_offset + at)
-                    .map_err(|e| shifted(e, at, len))?;
+                drain(&lease[..n], at).map_err(|e| shifted(e, at, len))?;
             }
             Ok(())
-        })
-    }
+        });
+        let mut at = 0;
+        let mut failed = None;
+        while at < len {
+            let n = chunk.min(len - at) as usize;
+            let filled = pool.lease().and_then(|mut lease| {
+                fill(&mut lease[..n], at)?;
+                Ok(lease)
+            });
+            match filled {
+                Ok(lease) => {
+                    if tx.send((lease, at)).is_err() {
+                        break; // The drain stopped on an error, which it returns.
+                    }
+                }
+                Err(err) => {
+                    failed = Some(shifted(err, at, len));
+                    break;
+                }
+            }
+            at += n as u64;
+        }
+        drop(tx);
+        drainer.join().expect("the drain thread panicked")?;
+        failed.map_or(Ok(()), Err)
+    })
 }
 
 /// Refuses a range of the memory that is not there.
@@ -545,49 +528,42 @@ fn shifted(err: Error, by: u64, total: u64) -> Error {
 }
 
 fn pread_exact(file: &File, buf: &mut [u8], offset: u64) -> Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read_at(&mut buf[done..], offset + done as u64) {
-            Ok(0) => {
-                return Err(Error::ShortTransfer {
-                    op: "pread",
-                    done: done as u64,
-                    len: buf.len() as u64,
-                });
-            }
-            Ok(n) => done += n,
-            Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(source) => {
-                return Err(Error::Io {
-                    op: "pread",
-                    done: done as u64,
-                    len: buf.len() as u64,
-                    source,
-                });
-            }
-        }
-    }
-    Ok(())
+    let len = buf.len();
+    all_of("pread", len, |done| {
+        file.read_at(&mut buf[done..], offset + done as u64)
+    })
 }
 
 fn pwrite_all(file: &File, buf: &[u8], offset: u64) -> Result<()> {
+    all_of("pwrite", buf.len(), |done| {
+        file.write_at(&buf[done..], offset + done as u64)
+    })
+}
+
+/// Calls `io(done)` until `len` bytes are done: a call that moves nothing is the end of the
+/// file ([`Error::ShortTransfer`]), EINTR is retried.
+fn all_of(
+    op: &'static str,
+    len: usize,
+    mut io: impl FnMut(usize) -> std::io::Result<usize>,
+) -> Result<()> {
     let mut done = 0;
-    while done < buf.len() {
-        match file.write_at(&buf[done..], offset + done as u64) {
+    while done < len {
+        match io(done) {
             Ok(0) => {
                 return Err(Error::ShortTransfer {
-                    op: "pwrite",
+                    op,
                     done: done as u64,
-                    len: buf.len() as u64,
+                    len: len as u64,
                 });
             }
             Ok(n) => done += n,
             Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
             Err(source) => {
                 return Err(Error::Io {
-                    op: "pwrite",
+                    op,
                     done: done as u64,
-                    len: buf.len() as u64,
+                    len: len as u64,
                     source,
                 });
             }

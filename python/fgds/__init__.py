@@ -26,7 +26,7 @@ import errno as _errno
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional, Protocol, Tuple, Union
+from typing import Any, Callable, Optional, Protocol, Tuple, Union
 
 from . import _fgds
 from ._fgds import DirectUnavailable, Error
@@ -427,25 +427,31 @@ class File:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _args(
+    def _transfer(
         self,
+        to_gpu: bool,
         buf: BufferLike,
         size: Optional[int],
         file_offset: int,
         buf_offset: int,
         dev_offset: Optional[int],
-        to_gpu: bool,
-    ) -> Tuple[_fgds.Memory, int, int, int, object]:
+    ) -> Tuple[Callable[[], Completed], object]:
+        """The transfer as a call, and what must stay alive while it runs."""
         if self._native.closed:
             raise ValueError("I/O operation on closed file")
         if dev_offset is not None:
             buf_offset = dev_offset
         _non_negative(file_offset=file_offset, buf_offset=buf_offset)
         memory, keep = _resolve(buf, to_gpu)
-        if size is None:
-            size = max(0, memory.length - buf_offset)
-        _non_negative(size=size)
-        return memory, size, file_offset, buf_offset, keep
+        nbytes = max(0, memory.length - buf_offset) if size is None else size
+        _non_negative(size=nbytes)
+        call = self._native.read if to_gpu else self._native.write
+        fallback = self.fallback
+
+        def run() -> Completed:
+            return Completed(*call(memory, nbytes, file_offset, buf_offset, fallback))
+
+        return run, keep
 
     def pread(
         self,
@@ -462,14 +468,7 @@ class File:
         fewer where the file ends first. ``dev_offset`` is kvikio's name for ``buf_offset``;
         ``task_size`` is accepted for kvikio's callers and unused (fgds splits a transfer
         into 1 MiB io_uring requests itself)."""
-        memory, size, file_offset, buf_offset, keep = self._args(
-            buf, size, file_offset, buf_offset, dev_offset, True
-        )
-        native, fallback = self._native, self.fallback
-
-        def run() -> Completed:
-            return Completed(*native.read(memory, size, file_offset, buf_offset, fallback))
-
+        run, keep = self._transfer(True, buf, size, file_offset, buf_offset, dev_offset)
         return IOFuture(_pool().submit(run), keep)
 
     def pwrite(
@@ -484,14 +483,7 @@ class File:
     ) -> IOFuture:
         """Writes ``size`` bytes of ``buf`` at ``buf_offset`` to the file at ``file_offset``,
         on a worker thread (see ``pread``)."""
-        memory, size, file_offset, buf_offset, keep = self._args(
-            buf, size, file_offset, buf_offset, dev_offset, False
-        )
-        native, fallback = self._native, self.fallback
-
-        def run() -> Completed:
-            return Completed(*native.write(memory, size, file_offset, buf_offset, fallback))
-
+        run, keep = self._transfer(False, buf, size, file_offset, buf_offset, dev_offset)
         return IOFuture(_pool().submit(run), keep)
 
     def read(
@@ -505,10 +497,7 @@ class File:
         task_size: Optional[int] = None,
     ) -> Completed:
         """``pread`` on this thread: returns when the data is in GPU memory."""
-        memory, size, file_offset, buf_offset, _keep = self._args(
-            buf, size, file_offset, buf_offset, dev_offset, True
-        )
-        return Completed(*self._native.read(memory, size, file_offset, buf_offset, self.fallback))
+        return self._transfer(True, buf, size, file_offset, buf_offset, dev_offset)[0]()
 
     def write(
         self,
@@ -522,12 +511,7 @@ class File:
     ) -> Completed:
         """``pwrite`` on this thread: returns when the data is in the file (written, not
         synced: ``os.fsync(f.fileno())`` for that)."""
-        memory, size, file_offset, buf_offset, _keep = self._args(
-            buf, size, file_offset, buf_offset, dev_offset, False
-        )
-        return Completed(
-            *self._native.write(memory, size, file_offset, buf_offset, self.fallback)
-        )
+        return self._transfer(False, buf, size, file_offset, buf_offset, dev_offset)[0]()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"

@@ -287,6 +287,36 @@ impl File {
     }
 }
 
+/// `GpuFile::read` or `GpuFile::write`.
+type Direction =
+    fn(&GpuFile, &dyn GpuMemory, u64, u64, u64, bool) -> fgds::Result<fgds::Completion>;
+
+impl File {
+    /// Runs `call` with `(size, file_offset, memory_offset, fallback)`, the GIL released.
+    fn transfer(
+        &self,
+        py: Python<'_>,
+        memory: &Memory,
+        (size, file_offset, memory_offset, fallback): (u64, u64, u64, bool),
+        call: Direction,
+    ) -> PyResult<Done> {
+        let file = self.open_file()?;
+        let mem = Arc::clone(&memory.inner);
+        py.detach(|| {
+            call(
+                &file,
+                mem.as_ref(),
+                size,
+                file_offset,
+                memory_offset,
+                fallback,
+            )
+        })
+        .map(done)
+        .map_err(py_err)
+    }
+}
+
 /// A completed transfer: `(bytes, path, reason, bounced)`.
 type Done = (u64, &'static str, Option<String>, u64);
 
@@ -342,11 +372,8 @@ impl File {
         memory_offset: u64,
         fallback: bool,
     ) -> PyResult<Done> {
-        let file = self.open_file()?;
-        let mem = Arc::clone(&memory.inner);
-        py.detach(|| file.read(mem.as_ref(), size, file_offset, memory_offset, fallback))
-            .map(done)
-            .map_err(py_err)
+        let args = (size, file_offset, memory_offset, fallback);
+        self.transfer(py, memory, args, GpuFile::read)
     }
 
     fn write(
@@ -358,11 +385,8 @@ impl File {
         memory_offset: u64,
         fallback: bool,
     ) -> PyResult<Done> {
-        let file = self.open_file()?;
-        let mem = Arc::clone(&memory.inner);
-        py.detach(|| file.write(mem.as_ref(), size, file_offset, memory_offset, fallback))
-            .map(done)
-            .map_err(py_err)
+        let args = (size, file_offset, memory_offset, fallback);
+        self.transfer(py, memory, args, GpuFile::write)
     }
 
     /// The file's size in bytes.

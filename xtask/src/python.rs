@@ -64,19 +64,24 @@ fn tools_venv(packages: &[&str]) -> anyhow::Result<PathBuf> {
             packages.join(" "),
             venv.display()
         );
-        run(Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-            ])
-            .args(packages))
-        .with_context(|| format!("pip install {} from PyPI", packages.join(" ")))?;
+        pip_install(&python, packages)
+            .with_context(|| format!("pip install {} from PyPI", packages.join(" ")))?;
         std::fs::write(&marker, "")?;
     }
     Ok(venv)
+}
+
+/// `pip install --quiet ARGS` with the venv's `python`.
+fn pip_install(python: &Path, args: &[&str]) -> anyhow::Result<()> {
+    run(Command::new(python)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
+        .args(args))
 }
 
 fn run(cmd: &mut Command) -> anyhow::Result<()> {
@@ -129,16 +134,8 @@ pub fn build_wheel() -> anyhow::Result<PathBuf> {
 pub fn check(wheel: &Path) -> anyhow::Result<()> {
     let venv = tools_venv(&[MATURIN, MYPY])?;
     let python = venv.join("bin/python");
-    run(Command::new(&python)
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--force-reinstall",
-            "--no-deps",
-        ])
-        .arg(wheel))?;
+    let wheel = wheel.to_string_lossy();
+    pip_install(&python, &["--force-reinstall", "--no-deps", &wheel])?;
     let root = crate::project_root();
     let mypy = |dir: &str, args: &[&str]| {
         run(Command::new(&python)
