@@ -45,6 +45,21 @@ const CUDA_SUCCESS: CuResult = 0;
 const ATTRIBUTE_DMA_BUF_SUPPORTED: c_int = 124;
 /// `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`.
 const HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
+/// `CU_POINTER_ATTRIBUTE_MEMORY_TYPE` (a `CUmemorytype`, `unsigned int`).
+const POINTER_MEMORY_TYPE: c_int = 2;
+/// `CU_POINTER_ATTRIBUTE_BUFFER_ID` (`unsigned long long`): unique per allocation in the
+/// process, never reused.
+const POINTER_BUFFER_ID: c_int = 7;
+/// `CU_POINTER_ATTRIBUTE_IS_MANAGED` (`unsigned int`, as a bool).
+const POINTER_IS_MANAGED: c_int = 8;
+/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL` (`int`).
+const POINTER_DEVICE_ORDINAL: c_int = 9;
+/// `CU_POINTER_ATTRIBUTE_RANGE_START_ADDR` (`CUdeviceptr`): the allocation's first byte.
+const POINTER_RANGE_START: c_int = 11;
+/// `CU_POINTER_ATTRIBUTE_RANGE_SIZE` (`size_t`): the allocation's length.
+const POINTER_RANGE_SIZE: c_int = 12;
+/// `CU_MEMORYTYPE_DEVICE`.
+const MEMORYTYPE_DEVICE: c_uint = 2;
 
 /// The driver API entry points fgds uses, resolved once.
 struct Api {
@@ -58,6 +73,7 @@ struct Api {
     primary_ctx_retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
     primary_ctx_release: unsafe extern "C" fn(CuDevice) -> CuResult,
     ctx_set_current: unsafe extern "C" fn(CuContext) -> CuResult,
+    ctx_synchronize: unsafe extern "C" fn() -> CuResult,
     mem_alloc: unsafe extern "C" fn(*mut DevicePtr, usize) -> CuResult,
     mem_free: unsafe extern "C" fn(DevicePtr) -> CuResult,
     memset_d8: unsafe extern "C" fn(DevicePtr, u8, usize) -> CuResult,
@@ -67,6 +83,7 @@ struct Api {
     mem_host_unregister: unsafe extern "C" fn(*mut c_void) -> CuResult,
     get_handle_for_address_range:
         unsafe extern "C" fn(*mut c_void, DevicePtr, usize, c_int, u64) -> CuResult,
+    pointer_get_attribute: unsafe extern "C" fn(*mut c_void, c_int, DevicePtr) -> CuResult,
     get_error_name: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
     get_error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
     /// Keeps the library, and so every pointer above, loaded.
@@ -107,6 +124,7 @@ impl Api {
             primary_ctx_retain: sym!("cuDevicePrimaryCtxRetain"),
             primary_ctx_release: sym!("cuDevicePrimaryCtxRelease_v2"),
             ctx_set_current: sym!("cuCtxSetCurrent"),
+            ctx_synchronize: sym!("cuCtxSynchronize"),
             mem_alloc: sym!("cuMemAlloc_v2"),
             mem_free: sym!("cuMemFree_v2"),
             memset_d8: sym!("cuMemsetD8_v2"),
@@ -115,6 +133,7 @@ impl Api {
             mem_host_register: sym!("cuMemHostRegister_v2"),
             mem_host_unregister: sym!("cuMemHostUnregister"),
             get_handle_for_address_range: sym!("cuMemGetHandleForAddressRange"),
+            pointer_get_attribute: sym!("cuPointerGetAttribute"),
             get_error_name: sym!("cuGetErrorName"),
             get_error_string: sym!("cuGetErrorString"),
             _lib: lib,
@@ -204,6 +223,76 @@ impl Cuda {
             }),
         })
     }
+
+    /// What CUDA knows of the device address `ptr`: the device and the allocation it lies in.
+    /// An address that is not CUDA device memory (host memory, a freed allocation, a number
+    /// that is no address) is an error saying so.
+    pub fn pointer(&self, ptr: DevicePtr) -> Result<PointerInfo> {
+        let api = &self.api;
+        /// One attribute of `ptr`, of the type CUDA documents for it.
+        fn attribute<T: Default>(api: &Api, attr: c_int, ptr: DevicePtr) -> (CuResult, T) {
+            let mut value = T::default();
+            // SAFETY: `T` is the type CUDA writes for `attr` (the constants above say which);
+            // the driver writes one value of it.
+            let res =
+                unsafe { (api.pointer_get_attribute)((&mut value as *mut T).cast(), attr, ptr) };
+            (res, value)
+        }
+        let (res, memory_type) = attribute::<c_uint>(api, POINTER_MEMORY_TYPE, ptr);
+        if res != CUDA_SUCCESS {
+            return Err(Error::Invalid(format!(
+                "{ptr:#x} is not CUDA memory (cuPointerGetAttribute: CUDA error {res}): pass a device pointer of a live allocation"
+            )));
+        }
+        if memory_type != MEMORYTYPE_DEVICE {
+            return Err(Error::Invalid(format!(
+                "{ptr:#x} is CUDA host memory (CUmemorytype {memory_type}), not device memory"
+            )));
+        }
+        let (res, ordinal) = attribute::<c_int>(api, POINTER_DEVICE_ORDINAL, ptr);
+        api.check("cuPointerGetAttribute(DEVICE_ORDINAL)", res)?;
+        let (res, buffer_id) = attribute::<u64>(api, POINTER_BUFFER_ID, ptr);
+        api.check("cuPointerGetAttribute(BUFFER_ID)", res)?;
+        let (res, managed) = attribute::<c_uint>(api, POINTER_IS_MANAGED, ptr);
+        api.check("cuPointerGetAttribute(IS_MANAGED)", res)?;
+        let (res, base) = attribute::<DevicePtr>(api, POINTER_RANGE_START, ptr);
+        api.check("cuPointerGetAttribute(RANGE_START_ADDR)", res)?;
+        let (res, len) = attribute::<usize>(api, POINTER_RANGE_SIZE, ptr);
+        api.check("cuPointerGetAttribute(RANGE_SIZE)", res)?;
+        Ok(PointerInfo {
+            ordinal,
+            buffer_id,
+            managed: managed != 0,
+            base,
+            len: len as u64,
+        })
+    }
+
+    /// The allocation id of `ptr` now, or `None` where it is no longer CUDA memory: a cached
+    /// registration is stale when this differs from the id it was made for.
+    pub fn buffer_id(&self, ptr: DevicePtr) -> Option<u64> {
+        let mut id = 0u64;
+        // SAFETY: BUFFER_ID is an `unsigned long long`, written once.
+        let res = unsafe {
+            (self.api.pointer_get_attribute)((&mut id as *mut u64).cast(), POINTER_BUFFER_ID, ptr)
+        };
+        (res == CUDA_SUCCESS).then_some(id)
+    }
+}
+
+/// A CUDA device address as the driver describes it ([`Cuda::pointer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PointerInfo {
+    /// The device the memory is on.
+    pub ordinal: i32,
+    /// The allocation's process-wide unique id (`CU_POINTER_ATTRIBUTE_BUFFER_ID`).
+    pub buffer_id: u64,
+    /// Managed (unified) memory, which the driver migrates and cannot export as a dma-buf.
+    pub managed: bool,
+    /// The allocation the address lies in: its first byte and its length (an allocator's
+    /// whole segment, for memory a caching allocator such as PyTorch's handed out).
+    pub base: DevicePtr,
+    pub len: u64,
 }
 
 /// A retained primary context.
@@ -373,6 +462,45 @@ impl Device {
             context: Arc::clone(&self.context),
             ptr: ptr.cast(),
         })
+    }
+
+    /// Waits until every stream of the device's primary context has finished its work
+    /// (`cuCtxSynchronize`): DMA that the GPU does not order (an NVMe drive writing its memory)
+    /// must not race a kernel still using it.
+    pub fn synchronize(&self) -> Result<()> {
+        self.context.make_current()?;
+        // SAFETY: no arguments; the context is current on this thread.
+        let res = unsafe { (self.api().ctx_synchronize)() };
+        self.api().check("cuCtxSynchronize", res)
+    }
+
+    /// Copies `src` to device memory at `dst` (`cuMemcpyHtoD`: synchronous for page-locked
+    /// `src`, and ordered after earlier work of the legacy default stream).
+    ///
+    /// # Safety
+    ///
+    /// `dst..dst + src.len()` must be device memory of this device that nothing else writes or
+    /// frees during the copy.
+    pub unsafe fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        self.context.make_current()?;
+        // SAFETY: the caller vouches for the destination; the source is a slice of exactly
+        // the copied length.
+        let res = unsafe { (self.api().memcpy_htod)(dst, src.as_ptr().cast(), src.len()) };
+        self.api().check("cuMemcpyHtoD", res)
+    }
+
+    /// Copies device memory at `src` into `dst` (`cuMemcpyDtoH`, synchronous).
+    ///
+    /// # Safety
+    ///
+    /// `src..src + dst.len()` must be device memory of this device that stays allocated during
+    /// the copy.
+    pub unsafe fn copy_from_device(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+        self.context.make_current()?;
+        // SAFETY: the caller vouches for the source; the destination is a writable slice of
+        // exactly the copied length.
+        let res = unsafe { (self.api().memcpy_dtoh)(dst.as_mut_ptr().cast(), src, dst.len()) };
+        self.api().check("cuMemcpyDtoH", res)
     }
 
     /// The fgds node of this GPU (found by PCI bus id), opened.

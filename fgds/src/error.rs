@@ -41,7 +41,7 @@ pub enum Error {
     },
     /// The CUDA driver library cannot be loaded.
     #[error(
-        "cannot load the CUDA driver ({reason}): install the NVIDIA driver's CUDA library (libcuda.so.1, e.g. Debian's libcuda1 or the driver's own installer), or pass a dma-buf with --dmabuf-fd"
+        "cannot load the CUDA driver ({reason}): install the NVIDIA driver's CUDA library (libcuda.so.1, e.g. Debian's libcuda1 or the driver's own installer), or pass a dma-buf instead (the CLI's --dmabuf-fd, Python's fgds.DmaBuf)"
     )]
     CudaUnavailable { reason: String },
     /// A CUDA driver API call failed.
@@ -64,6 +64,21 @@ pub enum Error {
         done: u64,
         len: u64,
     },
+    /// A call the object or the machine does not allow, with the errno that names why (a read
+    /// of a file open for writing only: EBADF; no CUDA library: ELIBACC).
+    #[error("{reason}")]
+    Refused { errno: i32, reason: String },
+    /// The direct path is not there for this transfer and the fallback through host RAM is
+    /// switched off ([`crate::GpuFile`]).
+    #[error(
+        "the direct path is not available: {reason}; the fallback through host RAM is off (switch it on to copy through RAM instead)"
+    )]
+    DirectUnavailable {
+        /// The errno that best names the obstacle (ENODEV: no fgds node, EINVAL: alignment or
+        /// memory fgds does not serve, EOPNOTSUPP: a refused setup, ...).
+        errno: i32,
+        reason: String,
+    },
 }
 
 impl Error {
@@ -73,6 +88,34 @@ impl Error {
         match self {
             Error::Io { done, .. } | Error::ShortTransfer { done, .. } => *done,
             _ => 0,
+        }
+    }
+}
+
+impl Error {
+    /// The errno that names this error: the system call's own where there was one, else the
+    /// closest (EINVAL for a bad argument, ENODEV for a missing GPU, ELIBACC for a missing
+    /// CUDA library, EIO for a CUDA error without a closer one).
+    pub fn errno(&self) -> i32 {
+        let os = |source: &std::io::Error| source.raw_os_error().unwrap_or(libc::EIO);
+        match self {
+            Error::NoSuchGpu { .. } => libc::ENODEV,
+            Error::Open { source, .. } | Error::Sysfs { source, .. } | Error::Io { source, .. } => {
+                os(source)
+            }
+            Error::Register { errno } | Error::Map { errno } => errno.raw_os_error(),
+            Error::Invalid(_) => libc::EINVAL,
+            Error::CudaUnavailable { .. } => libc::ELIBACC,
+            Error::Cuda { code, .. } => match code {
+                1 => libc::EINVAL,
+                2 => libc::ENOMEM,
+                100 | 101 => libc::ENODEV,
+                801 => libc::EOPNOTSUPP,
+                _ => libc::EIO,
+            },
+            Error::CudaNoDmabuf { .. } => libc::EOPNOTSUPP,
+            Error::ShortTransfer { .. } => libc::EIO,
+            Error::DirectUnavailable { errno, .. } | Error::Refused { errno, .. } => *errno,
         }
     }
 }

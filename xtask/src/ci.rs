@@ -66,6 +66,19 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
         eprintln!("ci: cargo {}", args.join(" "));
         outcomes.push(cargo_step(&root, name, args)?);
     }
+    eprintln!("ci: the Python package's wheel, mypy --strict and stubtest");
+    outcomes.push(
+        match crate::python::build_wheel().and_then(|wheel| crate::python::check(&wheel)) {
+            Ok(()) => Outcome {
+                name: "ci::python-check".to_owned(),
+                verdict: Verdict::Pass,
+            },
+            Err(err) => Outcome {
+                name: "ci::python-check".to_owned(),
+                verdict: Verdict::Fail(format!("{err:#}")),
+            },
+        },
+    );
     eprintln!("ci: checkpatch and sparse on driver/");
     outcomes.extend(check_driver_outcomes(&DriverOptions {
         kernel: "debian:6.12".to_owned(),

@@ -231,6 +231,7 @@ const VGPU_PROGRAMS: &[&str] = &[
     "fgds_fault_inject",
     "fgds_cli",
     "fgds_crate",
+    "fgds_python",
     "vgpu_exporter",
     "smoke::vgpu_mmap_reaches_backing_file",
     "rig_control::gpu_unplug_and_replug",
@@ -265,6 +266,13 @@ pub const SKIPS: &[Skip] = &[
         when: &[When::LacksAny(&["CONFIG_UDMABUF"])],
         reason: "no /dev/udmabuf",
         why: "the kernel has no udmabuf to make a dma-buf of system RAM (Debian 6.1)",
+    },
+    Skip {
+        cases: &["fgds_python::fallback_system_ram_dmabuf"],
+        when: &[When::LacksAny(&["CONFIG_UDMABUF"])],
+        reason: "no /dev/udmabuf",
+        why: "the fallback for a dma-buf fgds cannot register (system RAM) is tested with a \
+              udmabuf, which Debian 6.1 lacks",
     },
     Skip {
         cases: &["fgds_badinput::unsafe_setup_refused"],
@@ -315,6 +323,7 @@ pub const SKIPS: &[Skip] = &[
             "fgds_badinput::limit_bytes_per_user_enospc",
             "fgds_cli",
             "fgds_crate",
+            "fgds_python",
         ],
         when: &[When::Mode(&[Mode::Refused])],
         reason: "EOPNOTSUPP",
@@ -829,15 +838,16 @@ mod tests {
                 let (program, name) = case.split_once("::").unwrap_or((case, "*"));
                 let source = match programs
                     .iter()
-                    .find(|p| p.trim_end_matches(".c") == program)
+                    .find(|p| p.trim_end_matches(".c").trim_end_matches(".py") == program)
                 {
                     Some(p) if p.ends_with(".c") => root.join("tests/c").join(p),
+                    Some(p) if p.ends_with(".py") => root.join("tests/python").join(p),
                     Some(_) => root.join(format!("tests/src/bin/{program}.rs")),
                     None => panic!("{case}: {program} is not in tests/suite.txt"),
                 };
                 let text = std::fs::read_to_string(&source).unwrap();
-                // A Rust program names its cases as string literals, the C client in its
-                // result lines (`ok 1 name`).
+                // A Rust or Python program names its cases as string literals, the C client
+                // in its result lines (`ok 1 name`).
                 assert!(
                     name == "*"
                         || text.contains(&format!("\"{name}\""))

@@ -28,6 +28,16 @@ pub struct SuiteEntry {
     pub timeout_secs: u64,
     /// For a C program of tests/c/ (`NAME.c` in the suite list): its source, built static.
     pub c_source: Option<PathBuf>,
+    /// A Python program of tests/python/ (`NAME.py` in the suite list), run by the guest's
+    /// Python (xtask/src/python.rs) through its `#!` line.
+    pub python: bool,
+}
+
+impl SuiteEntry {
+    /// A Rust program of tests/ (built by [`build_binaries`]).
+    pub fn is_rust(&self) -> bool {
+        self.c_source.is_none() && !self.python
+    }
 }
 
 /// Builds the init, the `fgds` CLI and the named test programs of `tests/`, static, in
@@ -126,19 +136,30 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
             .trim()
             .parse()
             .with_context(|| format!("bad timeout in {}: {line:?}", path.display()))?;
-        let entry = match name.strip_suffix(".c") {
-            Some(stem) => SuiteEntry {
+        let entry = if let Some(stem) = name.strip_suffix(".c") {
+            SuiteEntry {
                 name: stem.to_owned(),
                 path: c_bin_dir().join(stem),
                 timeout_secs,
                 c_source: Some(crate::project_root().join("tests/c").join(name)),
-            },
-            None => SuiteEntry {
+                python: false,
+            }
+        } else if let Some(stem) = name.strip_suffix(".py") {
+            SuiteEntry {
+                name: stem.to_owned(),
+                path: crate::project_root().join("tests/python").join(name),
+                timeout_secs,
+                c_source: None,
+                python: true,
+            }
+        } else {
+            SuiteEntry {
                 name: name.to_owned(),
                 path: bin_dir.join(name),
                 timeout_secs,
                 c_source: None,
-            },
+                python: false,
+            }
         };
         suite.push(entry);
     }
@@ -156,6 +177,7 @@ pub fn exec_entry(path: &Path, timeout_secs: u64) -> anyhow::Result<SuiteEntry> 
         .unwrap_or_default();
     Ok(SuiteEntry {
         c_source: None,
+        python: false,
         name: format!("exec:{name}"),
         path: path.to_path_buf(),
         timeout_secs,
@@ -193,16 +215,31 @@ pub struct GuestSetup<'a> {
     pub env: &'a [(&'a str, &'a str)],
 }
 
-/// Writes the initramfs for a run to `out` and returns the plan it holds.
+/// Writes the initramfs for a run to `out` and returns the plan it holds. `python` is the
+/// guest's Python staged for the suite's Python programs ([`crate::python::stage_guest`]),
+/// with their helper modules.
 pub fn make_initramfs(
     kernel: &Kernel,
     cache_dir: &Path,
     bin_dir: &Path,
     setup: &GuestSetup,
     suite: &[SuiteEntry],
+    python: Option<(&Path, &[PathBuf])>,
     out: &Path,
 ) -> anyhow::Result<String> {
     let mut tree = initramfs::base_tree();
+    if let Some((root, modules)) = python {
+        crate::python::add_to_tree(root, &mut tree)?;
+        for module in modules {
+            tree.insert(
+                format!("tests/{}", file_name(module)),
+                Entry::File {
+                    source: module.clone(),
+                    mode: 0o644,
+                },
+            );
+        }
+    }
     let mut plan = String::new();
     for (name, value) in setup.env {
         plan.push_str(&format!("env {name} {value}\n"));

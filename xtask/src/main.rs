@@ -12,6 +12,7 @@ mod guest;
 mod host;
 mod matrix;
 mod package;
+mod python;
 mod report;
 mod run_memory;
 mod selftest;
@@ -49,6 +50,9 @@ enum Command {
     /// Build the Debian packages fgds-dkms and fgds (target/package/), check them with lintian,
     /// and with --dkms KERNEL build the packaged source with dkms against a kernel.
     Package(package::Options),
+    /// Build the Python package's abi3 wheel (target/wheels/) with maturin, installed into a
+    /// venv of the cache when missing; --check also runs mypy --strict and stubtest.
+    Wheel(python::Options),
 }
 
 fn main() -> std::process::ExitCode {
@@ -63,6 +67,7 @@ fn main() -> std::process::ExitCode {
         Command::Matrix(opts) => matrix::matrix(&opts),
         Command::Bench(opts) => bench::bench(&opts),
         Command::Package(opts) => package::package(&opts),
+        Command::Wheel(opts) => python::wheel(&opts),
     };
     match res {
         Ok(code) => code,

@@ -143,7 +143,7 @@ fn set_mode(path: &Path, mode: u32) -> anyhow::Result<()> {
         .with_context(|| format!("cannot chmod {}", path.display()))
 }
 
-/// packaging/<rel> with `@NAME@` placeholders replaced.
+/// `packaging/<rel>` with `@NAME@` placeholders replaced.
 fn template(root: &Path, rel: &str, vars: &[(&str, &str)]) -> anyhow::Result<String> {
     let path = root.join("packaging").join(rel);
     let mut text = std::fs::read_to_string(&path)
@@ -450,7 +450,7 @@ pub fn dkms_outcome(packages: &Packages, spec: &str) -> Outcome {
 }
 
 /// Unpacks fgds-dkms and runs `dkms add` and `dkms build` against `spec`'s kernel build tree
-/// (`--kernelsourcedir`), in a private DKMS tree under target/dkms/<kernel>/ (the system's
+/// (`--kernelsourcedir`), in a private DKMS tree under `target/dkms/<kernel>/` (the system's
 /// /var/lib/dkms and /usr/src are never touched). Returns the built fgds.ko.
 pub fn dkms_build(packages: &Packages, spec: &str) -> anyhow::Result<PathBuf> {
     let parsed: kernel::KernelSpec = spec.parse()?;

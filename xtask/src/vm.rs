@@ -13,7 +13,7 @@ use fgds_vm_images::{disk, kernel};
 use crate::expected::{self, RunConfig};
 use crate::host::{self, Phases};
 use crate::report::{self, Outcome};
-use crate::{driver, guest, package, run_memory};
+use crate::{driver, guest, package, python, run_memory};
 
 /// Seconds the guest gets to boot and load modules, on top of the tests' own timeouts.
 const BOOT_ALLOWANCE_SECS: u64 = 120;
@@ -209,6 +209,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
                 path: bin_dir.join(name),
                 timeout_secs: *timeout_secs,
                 c_source: None,
+                python: false,
             })
             .collect();
     }
@@ -219,13 +220,23 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         let build = driver::build(&kernel, &run_dir)?;
         let rust = suite
             .iter()
-            .filter(|e| e.c_source.is_none())
+            .filter(|e| e.is_rust())
             .map(|e| e.name.as_str())
             .collect::<Vec<_>>();
         guest::build_binaries(&rust)?;
         guest::build_c_programs(&suite)?;
         Ok(build)
     })?;
+    let python = if suite.iter().any(|e| e.python) {
+        Some(phases.run("python", || {
+            let wheel = python::build_wheel()?;
+            let modules = python::test_modules()?;
+            let root = python::stage_guest(&wheel, &modules)?;
+            Ok((root, modules))
+        })?)
+    } else {
+        None
+    };
     for exec in &opts.exec {
         suite.push(guest::exec_entry(exec, EXEC_TIMEOUT_SECS)?);
     }
@@ -283,7 +294,11 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
             },
             env: &env,
         };
-        let plan = guest::make_initramfs(&kernel, &cache, &bin_dir, &setup, &suite, &initrd)?;
+        let python = python
+            .as_ref()
+            .map(|(root, modules)| (root.as_path(), modules.as_slice()));
+        let plan =
+            guest::make_initramfs(&kernel, &cache, &bin_dir, &setup, &suite, python, &initrd)?;
         std::fs::write(run_dir.join("plan.txt"), plan)?;
         disk::write_nvme_image(&nvme_image)?;
         disk::write_gpu_backing(&gpu_backing, opts.gpu_bytes)?;
