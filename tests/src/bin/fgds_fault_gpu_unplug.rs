@@ -89,7 +89,9 @@ fn gpu_unplug_during_large_reads() -> CaseResult {
     let buffer = Arc::new(Gpu::open(&info.bdf)?.register(dmabuf.as_fd(), 0, LEN)?);
 
     let flipped = Arc::new(AtomicBool::new(false));
+    // Full reads done by the pread reader and by the io_uring reader.
     let reads = Arc::new(AtomicU32::new(0));
+    let uring_reads = Arc::new(AtomicU32::new(0));
     let (tx, rx) = mpsc::channel::<Ended>();
     {
         let (tx, flipped, reads) = (tx.clone(), flipped.clone(), reads.clone());
@@ -128,8 +130,12 @@ fn gpu_unplug_during_large_reads() -> CaseResult {
         });
     }
     {
-        let (tx, flipped, reads, buffer) =
-            (tx.clone(), flipped.clone(), reads.clone(), buffer.clone());
+        let (tx, flipped, reads, buffer) = (
+            tx.clone(),
+            flipped.clone(),
+            uring_reads.clone(),
+            buffer.clone(),
+        );
         std::thread::spawn(move || {
             let ended = (|| -> anyhow::Result<Ended> {
                 let nvme = fgds::open_direct(&fgds_tests::guest::nvme_path()?, false)?;
@@ -165,9 +171,10 @@ fn gpu_unplug_during_large_reads() -> CaseResult {
     }
     drop(tx);
 
-    // Both readers under way, then the host pulls the GPU.
+    // Both readers under way (each has completed a read, however loaded the host is), then the
+    // host pulls the GPU.
     let running = fault::wait_until("the readers' first reads", Duration::from_secs(60), || {
-        Ok(reads.load(Ordering::SeqCst) >= 2)
+        Ok(reads.load(Ordering::SeqCst) >= 1 && uring_reads.load(Ordering::SeqCst) >= 1)
     });
     fault::host_log(&format!(
         "fgds_fault_gpu_unplug: device_del {} with 32 MiB pread and io_uring reads in flight \
@@ -187,54 +194,59 @@ fn gpu_unplug_during_large_reads() -> CaseResult {
             Err(_) => break,
         }
     }
-    running?;
-    removed.context("device_del of the GPU")?;
-    ktap::diag(format_args!(
-        "device_del took {:?}; readers: {ended:?}",
-        removed_at - del_start
-    ));
-    ensure!(
-        ended.len() == 2,
-        "a reader did not end within {BOUND:?} of the GPU's removal: it hangs"
-    );
-    for (who, ok, err) in &ended {
-        ensure!(*ok > 0, "the {who} reader never completed a read");
-        // pread(2) gets GUP's EFAULT (the mapping was zapped; the fault handler refuses). An
-        // io_uring read of more than 256 pages takes the block layer's multi-bio path
-        // (__blkdev_direct_IO), which ends a bio whose pages it cannot get with
-        // BLK_STS_IOERR: the completion then says EIO for the same refusal.
-        let want: &[Errno] = if *who == "pread" {
-            &[Errno::FAULT]
-        } else {
-            &[Errno::FAULT, Errno::IO]
-        };
+    // Whatever the checks find, the GPU is plugged back below: the programs after this one
+    // need it.
+    let checks = (|| -> anyhow::Result<()> {
+        running?;
+        removed.context("device_del of the GPU")?;
+        ktap::diag(format_args!(
+            "device_del took {:?}; readers: {ended:?}",
+            removed_at - del_start
+        ));
         ensure!(
-            err.is_some_and(|e| want.contains(&e)),
-            "the {who} reader ended with {err:?}, want one of {want:?}"
+            ended.len() == 2,
+            "a reader did not end within {BOUND:?} of the GPU's removal: it hangs"
         );
-    }
+        for (who, ok, err) in &ended {
+            ensure!(*ok > 0, "the {who} reader never completed a read");
+            // pread(2) gets GUP's EFAULT (the mapping was zapped; the fault handler refuses). An
+            // io_uring read of more than 256 pages takes the block layer's multi-bio path
+            // (__blkdev_direct_IO), which ends a bio whose pages it cannot get with
+            // BLK_STS_IOERR: the completion then says EIO for the same refusal.
+            let want: &[Errno] = if *who == "pread" {
+                &[Errno::FAULT]
+            } else {
+                &[Errno::FAULT, Errno::IO]
+            };
+            ensure!(
+                err.is_some_and(|e| want.contains(&e)),
+                "the {who} reader ended with {err:?}, want one of {want:?}"
+            );
+        }
 
-    // (a) What the still-open fd and mapping see.
-    fault::wait_until("the node to go", Duration::from_secs(20), || {
-        Ok(!node_path.exists())
-    })?;
-    let status = common::touch_in_child(map.ptr)?;
-    ensure!(
-        status == 128 + libc::SIGBUS,
-        "access after unplug: status {status}, want SIGBUS"
-    );
-    match common::reg(&node, dmabuf.as_fd(), 0, LEN) {
-        Err(Errno::NODEV) => {}
-        other => bail!("REG_BUFFER on the open fd after unplug: {other:?}, want ENODEV"),
-    }
-    match Map::new(&node, idx, LEN as usize, libc::MAP_SHARED) {
-        Err(Errno::NODEV) => {}
-        other => bail!(
-            "mmap on the open fd after unplug: {:?}, want ENODEV",
-            other.map(|_| ())
-        ),
-    }
-    fault::expect_unload_refused("while a removed GPU's node is still open")?;
+        // (a) What the still-open fd and mapping see.
+        fault::wait_until("the node to go", Duration::from_secs(20), || {
+            Ok(!node_path.exists())
+        })?;
+        let status = common::touch_in_child(map.ptr)?;
+        ensure!(
+            status == 128 + libc::SIGBUS,
+            "access after unplug: status {status}, want SIGBUS"
+        );
+        match common::reg(&node, dmabuf.as_fd(), 0, LEN) {
+            Err(Errno::NODEV) => {}
+            other => bail!("REG_BUFFER on the open fd after unplug: {other:?}, want ENODEV"),
+        }
+        match Map::new(&node, idx, LEN as usize, libc::MAP_SHARED) {
+            Err(Errno::NODEV) => {}
+            other => bail!(
+                "mmap on the open fd after unplug: {:?}, want ENODEV",
+                other.map(|_| ())
+            ),
+        }
+        fault::expect_unload_refused("while a removed GPU's node is still open")?;
+        Ok(())
+    })();
     drop(map);
     drop(node);
     drop(buffer);
@@ -256,6 +268,7 @@ fn gpu_unplug_during_large_reads() -> CaseResult {
         Duration::from_secs(30),
         || Ok(common::node_path().is_ok()),
     );
+    checks?;
     unloaded.context("unloading fgds after the GPU's removal")?;
     loaded?;
     added?;
