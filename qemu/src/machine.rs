@@ -17,8 +17,17 @@ use anyhow::{Context, bail};
 /// The CPU accelerator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Accel {
-    Tcg,
+    Tcg(TcgThreads),
     Kvm,
+}
+
+/// How many host threads TCG runs the vCPUs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TcgThreads {
+    /// One thread for all vCPUs, which take turns.
+    Single,
+    /// A thread per vCPU (MTTCG).
+    Multi,
 }
 
 /// What the machine is made of. Every path is the host's.
@@ -99,7 +108,8 @@ pub fn run_files(run_dir: &Path) -> RunFiles {
 pub fn args(config: &Config) -> Vec<String> {
     let files = run_files(&config.run_dir);
     let accel = match config.accel {
-        Accel::Tcg => "tcg,thread=multi",
+        Accel::Tcg(TcgThreads::Single) => "tcg,thread=single",
+        Accel::Tcg(TcgThreads::Multi) => "tcg,thread=multi",
         Accel::Kvm => "kvm",
     };
     let mut args = Vec::new();
@@ -255,8 +265,8 @@ pub fn args(config: &Config) -> Vec<String> {
 fn cpu_model(config: &Config) -> &'static str {
     match (config.accel, config.iommu) {
         (Accel::Kvm, _) => "host",
-        (Accel::Tcg, false) => "qemu64",
-        (Accel::Tcg, true) => "qemu64,family=23",
+        (Accel::Tcg(_), false) => "qemu64",
+        (Accel::Tcg(_), true) => "qemu64,family=23",
     }
 }
 

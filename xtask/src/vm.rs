@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use fgds_qemu::machine::{self, Accel};
+use fgds_qemu::machine::{self, Accel, TcgThreads};
 use fgds_tests::pattern;
 use fgds_vm_images::{disk, kernel};
 
@@ -27,6 +27,9 @@ pub struct Options {
     /// CPU accelerator. KVM is opt-in: these hosts' /dev/kvm cannot boot the guest kernels.
     #[arg(long, value_enum, default_value_t = AccelArg::Tcg)]
     pub accel: AccelArg,
+    /// TCG's host threads: one per vCPU (multi) or one for all (single).
+    #[arg(long, value_enum, default_value_t = DEFAULT_TCG_THREADS)]
+    pub tcg_threads: TcgThreadsArg,
     /// A static executable to run in the guest after the suite (repeatable). Exit 0 passes,
     /// 4 skips, anything else fails; KTAP lines it prints are reported as subtests.
     #[arg(long = "exec", value_name = "PATH")]
@@ -65,6 +68,7 @@ impl Options {
         Options {
             kernel: kernel.to_owned(),
             accel: AccelArg::Tcg,
+            tcg_threads: DEFAULT_TCG_THREADS,
             exec: Vec::new(),
             vgpu_mode: "plain".to_owned(),
             fgds_pages: "auto".to_owned(),
@@ -82,6 +86,15 @@ impl Options {
 pub enum AccelArg {
     Tcg,
     Kvm,
+}
+
+/// TCG's host threads unless `--tcg-threads` says otherwise.
+pub const DEFAULT_TCG_THREADS: TcgThreadsArg = TcgThreadsArg::Multi;
+
+#[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq)]
+pub enum TcgThreadsArg {
+    Single,
+    Multi,
 }
 
 pub fn test_vm(opts: &Options) -> anyhow::Result<ExitCode> {
@@ -106,6 +119,8 @@ pub struct KernelRun {
     pub reports: Vec<String>,
     /// From the start of the fetch to the verdicts.
     pub took: Duration,
+    /// From QEMU's start to the guest's first result (`setup`); `None` if none came.
+    pub booted_in: Option<Duration>,
     pub outcomes: Vec<Outcome>,
     /// Where the run's artifacts are.
     pub run_dir: PathBuf,
@@ -115,6 +130,34 @@ pub struct KernelRun {
 pub const FGDS_PAGES: [&str; 3] = ["auto", "p2pdma", "generic"];
 
 pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
+    let prepared = prepare(opts)?;
+    boot(&prepared, opts, true)
+}
+
+/// A run made ready to boot: the kernel fetched, the driver and the guest programs built, the
+/// initramfs written. [`boot`] boots it (once, or again for `cargo xtask boot-loop`).
+pub struct Prepared {
+    started: Instant,
+    label: String,
+    pub run_dir: PathBuf,
+    /// Held while the run directory is in use.
+    _lock: File,
+    kernel: kernel::Kernel,
+    build: driver::Build,
+    suite: Vec<guest::SuiteEntry>,
+    initrd: PathBuf,
+    phases: Phases,
+}
+
+impl Prepared {
+    /// The run's name, e.g. `debian-7.3`, `debian-6.12-iommu`.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+}
+
+/// Fetches the kernel, builds the driver and the guest programs and writes the initramfs.
+pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
     let started = Instant::now();
     let spec: kernel::KernelSpec = opts.kernel.parse()?;
     let mut label = spec.slug();
@@ -124,7 +167,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     if opts.fgds_pages != "auto" {
         label = format!("{label}-{}", opts.fgds_pages);
     }
-    let (run_dir, _lock) = claim_run_dir(&crate::project_root().join("target/vm"), &label)?;
+    let (run_dir, lock) = claim_run_dir(&crate::project_root().join("target/vm"), &label)?;
     eprintln!(
         "test-vm: {} (artifacts in {})",
         opts.kernel,
@@ -191,16 +234,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     }
 
     let initrd = run_dir.join("initramfs.cpio");
-    let memory = run_memory::create(
-        &run_dir,
-        opts.gpu_bytes,
-        pattern::NVME_IMAGE_BYTES + 2 * disk::SMALL_DRIVE_BYTES,
-    )?;
-    let gpu_backing = memory.gpu.clone();
-    let nvme_image = memory.drive("nvme.img")?;
-    let ext4_image = memory.drive("ext4.img")?;
-    let nvme2_image = memory.drive("nvme2.img")?;
-    phases.run("image", || {
+    phases.run("initramfs", || {
         let rig = build
             .kos
             .iter()
@@ -212,6 +246,45 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
             .collect::<Vec<_>>();
         let plan = guest::make_initramfs(&kernel, &cache, &bin_dir, &rig, &suite, &initrd)?;
         std::fs::write(run_dir.join("plan.txt"), plan)?;
+        Ok(())
+    })?;
+    Ok(Prepared {
+        started,
+        label,
+        run_dir,
+        _lock: lock,
+        kernel,
+        build,
+        suite,
+        initrd,
+        phases,
+    })
+}
+
+/// Boots a prepared run and returns its verdicts; `echo` prints the results as they come and
+/// the phases' times. Errors are problems of the host, not test failures.
+pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<KernelRun> {
+    let mut phases = prepared.phases.clone();
+    let Prepared {
+        started,
+        label,
+        run_dir,
+        kernel,
+        build,
+        suite,
+        initrd,
+        ..
+    } = prepared;
+    let memory = run_memory::create(
+        run_dir,
+        opts.gpu_bytes,
+        pattern::NVME_IMAGE_BYTES + 2 * disk::SMALL_DRIVE_BYTES,
+    )?;
+    let gpu_backing = memory.gpu.clone();
+    let nvme_image = memory.drive("nvme.img")?;
+    let ext4_image = memory.drive("ext4.img")?;
+    let nvme2_image = memory.drive("nvme2.img")?;
+    phases.run("image", || {
         disk::write_nvme_image(&nvme_image)?;
         disk::write_gpu_backing(&gpu_backing, opts.gpu_bytes)?;
         disk::write_ext4_image(&ext4_image, disk::SMALL_DRIVE_BYTES)?;
@@ -221,11 +294,12 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
 
     let config = machine::Config {
         kernel: kernel.vmlinuz.clone(),
-        initrd,
+        initrd: initrd.clone(),
         cmdline: opts.append.clone(),
-        accel: match opts.accel {
-            AccelArg::Tcg => Accel::Tcg,
-            AccelArg::Kvm => Accel::Kvm,
+        accel: match (opts.accel, opts.tcg_threads) {
+            (AccelArg::Tcg, TcgThreadsArg::Single) => Accel::Tcg(TcgThreads::Single),
+            (AccelArg::Tcg, TcgThreadsArg::Multi) => Accel::Tcg(TcgThreads::Multi),
+            (AccelArg::Kvm, _) => Accel::Kvm,
         },
         cpus: 2,
         memory_mib: 2048,
@@ -241,12 +315,12 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     let limit = Duration::from_secs(
         BOOT_ALLOWANCE_SECS + suite.iter().map(|e| e.timeout_secs).sum::<u64>(),
     );
-    let run = run_machine(&config, limit)?;
+    let run = run_machine(&config, limit, echo)?;
     let boot = run.boot.unwrap_or(run.took);
     phases.record("boot", boot);
     phases.record("tests", run.took.saturating_sub(boot));
 
-    let files = machine::run_files(&run_dir);
+    let files = machine::run_files(run_dir);
     let ktap = std::fs::read_to_string(&files.ktap).unwrap_or_default();
     let console = std::fs::read_to_string(&files.console).unwrap_or_default();
     let machine_problem = match (&run.exit, machine::check_qemu_log(&files), run.panicked) {
@@ -267,13 +341,15 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         .filter_map(|l| l.split("fgds-report: ").nth(1))
         .map(|l| l.trim().to_owned())
         .collect::<Vec<_>>();
-    for line in &reports {
-        eprintln!("  {line}");
+    if echo {
+        for line in &reports {
+            eprintln!("  {line}");
+        }
+        eprintln!("  phases: {}", phases.summary());
     }
-    eprintln!("  phases: {}", phases.summary());
-    let mut outcomes = vec![driver::build_outcome(&label, &build)];
+    let mut outcomes = vec![driver::build_outcome(label, build)];
     outcomes.extend(report::outcomes(&report::RunArtifacts {
-        label: &label,
+        label,
         planned: &planned,
         ktap: &ktap,
         console: &console,
@@ -288,6 +364,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         package_version: kernel.package_version.clone(),
         reports,
         took: started.elapsed(),
+        booted_in: run.boot,
         outcomes,
         run_dir: run_dir.clone(),
     })
@@ -366,7 +443,11 @@ struct MachineRun {
     panicked: bool,
 }
 
-fn run_machine(config: &machine::Config, limit: Duration) -> anyhow::Result<MachineRun> {
+fn run_machine(
+    config: &machine::Config,
+    limit: Duration,
+    echo: bool,
+) -> anyhow::Result<MachineRun> {
     let mut vm = machine::start(config)?;
     let started = Instant::now();
     let files = machine::run_files(&config.run_dir);
@@ -382,7 +463,9 @@ fn run_machine(config: &machine::Config, limit: Duration) -> anyhow::Result<Mach
             if boot.is_none() {
                 boot = Some(started.elapsed());
             }
-            eprintln!("  [{:6.1}s] {line}", started.elapsed().as_secs_f64());
+            if echo {
+                eprintln!("  [{:6.1}s] {line}", started.elapsed().as_secs_f64());
+            }
         }
         shown = lines.len();
     };
