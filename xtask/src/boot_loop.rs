@@ -4,7 +4,8 @@
 //!
 //! The kernel, the driver and the initramfs are prepared once; each boot gets fresh drive
 //! images and GPU memory. A boot that is not clean keeps its console, KTAP and QEMU logs in
-//! `target/boot-loop/<kernel>/boot-<n>/`; every boot is a line of `target/boot-loop/<kernel>.txt`.
+//! `target/boot-loop/<kernel>-<threads>/boot-<n>/`; every boot is a line of
+//! `target/boot-loop/<kernel>-<threads>.txt` (`-stress` added with `--text-poke-stress`).
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -31,12 +32,21 @@ pub struct Options {
     /// Extra kernel parameters, as for test-vm.
     #[arg(long, default_value = "")]
     pub append: String,
+    /// After setup, run tests/src/bin/text_poke_stress.rs: static keys flipped thousands of
+    /// times while the other vCPU runs the code they patch (a minute a boot at most).
+    #[arg(long)]
+    pub text_poke_stress: bool,
 }
+
+/// The stress program and its timeout in seconds.
+const STRESS: (&str, u64) = ("text_poke_stress", 120);
 
 /// How one boot went.
 struct Boot {
     /// None: clean; else what went wrong, in one line.
     failure: Option<String>,
+    /// For a clean boot, what the stress program reported.
+    note: Option<String>,
     /// Until the guest's first result (`setup`), if one came.
     booted_in: Option<Duration>,
     took: Duration,
@@ -47,24 +57,40 @@ pub fn boot_loop(opts: &Options) -> anyhow::Result<ExitCode> {
         no_suite: true,
         tcg_threads: opts.tcg_threads,
         append: opts.append.clone(),
+        programs: if opts.text_poke_stress {
+            vec![(STRESS.0.to_owned(), STRESS.1)]
+        } else {
+            Vec::new()
+        },
         ..vm::Options::for_kernel(&opts.kernel)
     };
     let prepared = vm::prepare(&vm_opts)?;
     let loop_dir = crate::project_root().join("target/boot-loop");
-    let out_dir = loop_dir.join(prepared.label());
+    let name = format!(
+        "{}-{}{}",
+        prepared.label(),
+        threads_name(opts.tcg_threads),
+        if opts.text_poke_stress { "-stress" } else { "" }
+    );
+    let out_dir = loop_dir.join(&name);
     // Failures of an earlier loop of this kernel would read as this one's.
     let _ = std::fs::remove_dir_all(&out_dir);
     std::fs::create_dir_all(&out_dir)
         .with_context(|| format!("cannot create {}", out_dir.display()))?;
-    let summary_path = loop_dir.join(format!("{}.txt", prepared.label()));
+    let summary_path = loop_dir.join(format!("{name}.txt"));
     let qemu = qemu_version();
     let mut summary = format!(
-        "# cargo xtask boot-loop --kernel {} --count {} --tcg-threads {} --append {:?}\n\
-         # {qemu}; started {}\n# boot  result  boot-s  total-s  failure\n",
+        "# cargo xtask boot-loop --kernel {} --count {} --tcg-threads {} --append {:?}{}\n\
+         # {qemu}; started {}\n# boot  result  boot-s  total-s  failure (or what the stress program did)\n",
         opts.kernel,
         opts.count,
         threads_name(opts.tcg_threads),
         opts.append,
+        if opts.text_poke_stress {
+            " --text-poke-stress"
+        } else {
+            ""
+        },
         now_utc(),
     );
     eprintln!(
@@ -89,7 +115,10 @@ pub fn boot_loop(opts: &Options) -> anyhow::Result<ExitCode> {
             boot.booted_in
                 .map_or("-".to_owned(), |d| format!("{:.1}", d.as_secs_f64())),
             boot.took.as_secs_f64(),
-            boot.failure.as_deref().unwrap_or("")
+            boot.failure
+                .as_deref()
+                .or(boot.note.as_deref())
+                .unwrap_or("")
         );
         std::fs::write(&summary_path, &summary)
             .with_context(|| format!("cannot write {}", summary_path.display()))?;
@@ -141,8 +170,17 @@ fn boot_once(
         })
         .collect::<Vec<_>>();
     if failed.is_empty() {
+        // What the stress program says it did ("N flips of each of 2 keys in S s").
+        let ktap = std::fs::read(run.run_dir.join("ktap.log"))
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default();
+        let note = ktap
+            .lines()
+            .find(|l| l.contains(" flips of each of "))
+            .map(|l| l.trim().trim_start_matches('#').trim().to_owned());
         return Ok(Boot {
             failure: None,
+            note,
             booted_in: run.booted_in,
             took,
         });
@@ -161,6 +199,7 @@ fn boot_once(
         .unwrap_or_default();
     Ok(Boot {
         failure: Some(describe(&console_text, run.booted_in.is_some(), &failed)),
+        note: None,
         booted_in: run.booted_in,
         took,
     })

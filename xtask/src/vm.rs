@@ -27,7 +27,9 @@ pub struct Options {
     /// CPU accelerator. KVM is opt-in: these hosts' /dev/kvm cannot boot the guest kernels.
     #[arg(long, value_enum, default_value_t = AccelArg::Tcg)]
     pub accel: AccelArg,
-    /// TCG's host threads: one per vCPU (multi) or one for all (single).
+    /// TCG's host threads: one for all vCPUs (single), or one per vCPU (multi: faster, but
+    /// QEMU then may run stale code after the kernel patches its text; docs/architecture.md,
+    /// Boot flakes).
     #[arg(long, value_enum, default_value_t = DEFAULT_TCG_THREADS)]
     pub tcg_threads: TcgThreadsArg,
     /// A static executable to run in the guest after the suite (repeatable). Exit 0 passes,
@@ -88,8 +90,11 @@ pub enum AccelArg {
     Kvm,
 }
 
-/// TCG's host threads unless `--tcg-threads` says otherwise.
-pub const DEFAULT_TCG_THREADS: TcgThreadsArg = TcgThreadsArg::Multi;
+/// TCG's host threads unless `--tcg-threads` says otherwise: one. With a thread per vCPU,
+/// QEMU (7.2 and 10.0 alike) can keep a translation of code that another vCPU is rewriting, so
+/// the guest runs an INT3 the kernel already removed and oopses (docs/architecture.md, Boot
+/// flakes).
+pub const DEFAULT_TCG_THREADS: TcgThreadsArg = TcgThreadsArg::Single;
 
 #[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq)]
 pub enum TcgThreadsArg {
