@@ -134,7 +134,12 @@ pub fn boot_loop(opts: &Options) -> anyhow::Result<ExitCode> {
         }
     }
     let failed = boots.iter().filter(|b| b.failure.is_some()).count();
-    let _ = writeln!(summary, "# {}; ended {}", tally(&boots, opts.count), now_utc());
+    let _ = writeln!(
+        summary,
+        "# {}; ended {}",
+        tally(&boots, opts.count),
+        now_utc()
+    );
     std::fs::write(&summary_path, &summary)
         .with_context(|| format!("cannot write {}", summary_path.display()))?;
     eprintln!(

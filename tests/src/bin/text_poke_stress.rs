@@ -80,8 +80,8 @@ fn start_ping_pong() -> anyhow::Result<Vec<libc::pid_t>> {
     let mut there = [0; 2];
     let mut back = [0; 2];
     // SAFETY: pipe(2) writes two descriptors into each array of two.
-    if unsafe { libc::pipe(there.as_mut_ptr()) } != 0 || unsafe { libc::pipe(back.as_mut_ptr()) } != 0
-    {
+    let made = unsafe { libc::pipe(there.as_mut_ptr()) == 0 && libc::pipe(back.as_mut_ptr()) == 0 };
+    if !made {
         bail!("pipe: {}", std::io::Error::last_os_error());
     }
     let mut pids = Vec::new();
