@@ -512,3 +512,43 @@ pub fn check_qemu_log(files: &RunFiles) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(accel: Accel) -> Config {
+        Config {
+            kernel: "bzImage".into(),
+            initrd: "initrd".into(),
+            cmdline: String::new(),
+            accel,
+            cpus: 2,
+            memory_mib: 2048,
+            nvme_image: "nvme.img".into(),
+            ext4_image: "ext4.img".into(),
+            nvme2_image: "nvme2.img".into(),
+            gpu_backing: "gpu".into(),
+            gpu_bytes: 1 << 28,
+            nvme_errors: Vec::new(),
+            iommu: false,
+            run_dir: "run".into(),
+        }
+    }
+
+    fn accel_arg(accel: Accel) -> String {
+        let args = args(&config(accel));
+        let at = args.iter().position(|a| a == "-accel").expect("-accel");
+        args[at + 1].clone()
+    }
+
+    #[test]
+    fn tcg_threads_reach_the_command_line() {
+        assert_eq!(
+            accel_arg(Accel::Tcg(TcgThreads::Single)),
+            "tcg,thread=single"
+        );
+        assert_eq!(accel_arg(Accel::Tcg(TcgThreads::Multi)), "tcg,thread=multi");
+        assert_eq!(accel_arg(Accel::Kvm), "kvm");
+    }
+}

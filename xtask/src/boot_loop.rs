@@ -287,3 +287,39 @@ fn now_utc() -> String {
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
         .unwrap_or_default()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OOPS: &str = "\
+[    5.195731] fgds-rig: end setup
+[    7.744609] Oops: int3: 0000 [#1] SMP NOPTI
+[    7.745247] CPU: 1 UID: 0 PID: 117 Comm: text_poke_stres Tainted: G           OE       7.3-amd64 #1
+[    7.745988] RIP: 0010:update_se+0x46/0x5f0
+[    7.746343] Code: 74 47 4c 01 56 78 eb <0c> 4c 89 d0 48 83 c4 50 c3
+[    7.752524] RIP: 0033:0x7f9ecc1dfd70
+";
+
+    #[test]
+    fn describes_an_oops_with_its_rip() {
+        let failed = [("k::vm", "the guest stopped before the end of the suite")];
+        assert_eq!(
+            describe(OOPS, true, &failed),
+            "after the guest's first result: [    7.744609] Oops: int3: 0000 [#1] SMP NOPTI, \
+             RIP update_se+0x46/0x5f0"
+        );
+    }
+
+    #[test]
+    fn describes_a_silent_death_by_its_first_failed_verdict() {
+        let failed = [(
+            "k::setup",
+            "no result: the guest crashed or hung\nconsole:\n...",
+        )];
+        assert_eq!(
+            describe("[    1.0] Linux version 7.3\n", false, &failed),
+            "before the guest's first result: k::setup: no result: the guest crashed or hung"
+        );
+    }
+}
