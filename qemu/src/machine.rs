@@ -329,8 +329,12 @@ pub struct Machine {
 /// How the machine ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Exit {
-    /// QEMU exited by itself (the guest powered off, or rebooted after a panic).
-    Exited { code: Option<i32> },
+    /// QEMU exited by itself (the guest powered off, or rebooted after a panic), or was killed
+    /// by `signal`.
+    Exited {
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
     /// It ran past its time limit and was stopped.
     TimedOut,
 }
@@ -421,6 +425,7 @@ impl Machine {
             if let Some(status) = self.child.try_wait().context("waitpid on QEMU")? {
                 return Ok(Exit::Exited {
                     code: status.code(),
+                    signal: std::os::unix::process::ExitStatusExt::signal(&status),
                 });
             }
             if self.started.elapsed() > limit {

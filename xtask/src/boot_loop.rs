@@ -210,8 +210,8 @@ fn boot_once(
     })
 }
 
-/// A failed boot in one line: the first kernel report and where it hit, else the first failed
-/// verdict.
+/// A failed boot in one line: the first kernel report and where it hit, else how the machine
+/// ended (the `vm` verdict), else the first failed verdict.
 fn describe(console_text: &str, reported: bool, failed: &[(&str, &str)]) -> String {
     let when = if reported {
         "after the guest's first result"
@@ -229,7 +229,11 @@ fn describe(console_text: &str, reported: bool, failed: &[(&str, &str)]) -> Stri
             .unwrap_or_default();
         return format!("{when}: {}{rip}", splat.line);
     }
-    let (name, msg) = failed[0];
+    // How the machine ended says more than the test it ended in.
+    let (name, msg) = failed
+        .iter()
+        .find(|(name, _)| name.ends_with("::vm"))
+        .unwrap_or(&failed[0]);
     format!(
         "{when}: {name}: {}",
         msg.lines().next().unwrap_or("").trim()
@@ -308,6 +312,21 @@ mod tests {
             describe(OOPS, true, &failed),
             "after the guest's first result: [    7.744609] Oops: int3: 0000 [#1] SMP NOPTI, \
              RIP update_se+0x46/0x5f0"
+        );
+    }
+
+    #[test]
+    fn describes_a_silent_death_by_how_the_machine_ended() {
+        let failed = [
+            ("k::stress::test 1", "no result: the guest crashed or hung"),
+            (
+                "k::vm",
+                "QEMU died of signal 11 (its log: qemu.log)\nconsole:\n...",
+            ),
+        ];
+        assert_eq!(
+            describe("[    1.0] Linux version 7.3\n", true, &failed),
+            "after the guest's first result: k::vm: QEMU died of signal 11 (its log: qemu.log)"
         );
     }
 

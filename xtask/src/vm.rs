@@ -333,6 +333,17 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
             "the machine ran past its limit of {} s and was stopped",
             limit.as_secs()
         )),
+        (
+            machine::Exit::Exited {
+                signal: Some(signal),
+                ..
+            },
+            _,
+            _,
+        ) => Some(format!(
+            "QEMU died of signal {signal} (its log: {})",
+            files.qemu_log.display()
+        )),
         (_, Err(err), _) => Some(format!("{err:#}")),
         (_, Ok(()), true) => Some("QEMU reported a guest panic (pvpanic)".to_owned()),
         (machine::Exit::Exited { .. }, Ok(()), false) => None,
