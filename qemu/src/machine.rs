@@ -121,6 +121,12 @@ pub fn args(config: &Config) -> Vec<String> {
         accel,
         "-nodefaults",
         "-no-reboot",
+        // pvpanic reports a panic from a panic notifier, which runs before the kernel flushes
+        // its console: QEMU's default action (shutdown) would end the machine with the oops
+        // still in the guest's log buffer. The guest goes on, prints, and reboots instead,
+        // which `-no-reboot` turns into QEMU's exit.
+        "-action",
+        "panic=none",
         "-display",
         "none",
     ]);
