@@ -17,8 +17,17 @@ use anyhow::{Context, bail};
 /// The CPU accelerator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Accel {
-    Tcg,
+    Tcg(TcgThreads),
     Kvm,
+}
+
+/// How many host threads TCG runs the vCPUs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TcgThreads {
+    /// One thread for all vCPUs, which take turns.
+    Single,
+    /// A thread per vCPU (MTTCG).
+    Multi,
 }
 
 /// What the machine is made of. Every path is the host's.
@@ -99,7 +108,8 @@ pub fn run_files(run_dir: &Path) -> RunFiles {
 pub fn args(config: &Config) -> Vec<String> {
     let files = run_files(&config.run_dir);
     let accel = match config.accel {
-        Accel::Tcg => "tcg,thread=multi",
+        Accel::Tcg(TcgThreads::Single) => "tcg,thread=single",
+        Accel::Tcg(TcgThreads::Multi) => "tcg,thread=multi",
         Accel::Kvm => "kvm",
     };
     let mut args = Vec::new();
@@ -111,6 +121,12 @@ pub fn args(config: &Config) -> Vec<String> {
         accel,
         "-nodefaults",
         "-no-reboot",
+        // pvpanic reports a panic from a panic notifier, which runs before the kernel flushes
+        // its console: QEMU's default action (shutdown) would end the machine with the oops
+        // still in the guest's log buffer. The guest goes on, prints, and reboots instead,
+        // which `-no-reboot` turns into QEMU's exit.
+        "-action",
+        "panic=none",
         "-display",
         "none",
     ]);
@@ -255,8 +271,8 @@ pub fn args(config: &Config) -> Vec<String> {
 fn cpu_model(config: &Config) -> &'static str {
     match (config.accel, config.iommu) {
         (Accel::Kvm, _) => "host",
-        (Accel::Tcg, false) => "qemu64",
-        (Accel::Tcg, true) => "qemu64,family=23",
+        (Accel::Tcg(_), false) => "qemu64",
+        (Accel::Tcg(_), true) => "qemu64,family=23",
     }
 }
 
@@ -319,8 +335,12 @@ pub struct Machine {
 /// How the machine ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Exit {
-    /// QEMU exited by itself (the guest powered off, or rebooted after a panic).
-    Exited { code: Option<i32> },
+    /// QEMU exited by itself (the guest powered off, or rebooted after a panic), or was killed
+    /// by `signal`.
+    Exited {
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
     /// It ran past its time limit and was stopped.
     TimedOut,
 }
@@ -411,6 +431,7 @@ impl Machine {
             if let Some(status) = self.child.try_wait().context("waitpid on QEMU")? {
                 return Ok(Exit::Exited {
                     code: status.code(),
+                    signal: std::os::unix::process::ExitStatusExt::signal(&status),
                 });
             }
             if self.started.elapsed() > limit {
@@ -514,6 +535,43 @@ pub fn read_log(path: &Path) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    fn config(accel: Accel) -> Config {
+        Config {
+            kernel: "bzImage".into(),
+            initrd: "initrd".into(),
+            cmdline: String::new(),
+            accel,
+            cpus: 2,
+            memory_mib: 2048,
+            nvme_image: "nvme.img".into(),
+            ext4_image: "ext4.img".into(),
+            nvme2_image: "nvme2.img".into(),
+            gpu_backing: "gpu".into(),
+            gpu_bytes: 1 << 28,
+            nvme_errors: Vec::new(),
+            iommu: false,
+            run_dir: "run".into(),
+        }
+    }
+
+    fn accel_arg(accel: Accel) -> String {
+        let args = args(&config(accel));
+        let at = args.iter().position(|a| a == "-accel").expect("-accel");
+        args[at + 1].clone()
+    }
+
+    #[test]
+    fn tcg_threads_reach_the_command_line() {
+        assert_eq!(
+            accel_arg(Accel::Tcg(TcgThreads::Single)),
+            "tcg,thread=single"
+        );
+        assert_eq!(accel_arg(Accel::Tcg(TcgThreads::Multi)), "tcg,thread=multi");
+        assert_eq!(accel_arg(Accel::Kvm), "kvm");
+    }
+
     #[test]
     fn a_log_with_bytes_that_are_not_utf8_is_read_whole() {
         let path = std::env::temp_dir().join(format!("fgds-log-{}", std::process::id()));

@@ -84,7 +84,7 @@ pub fn cache_dir() -> anyhow::Result<PathBuf> {
 }
 
 /// Durations of a run's phases, printed in one line at the end.
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct Phases {
     done: Vec<(&'static str, Duration)>,
 }

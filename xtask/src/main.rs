@@ -5,6 +5,7 @@
 //! - `cargo xtask ci`: what CI runs (formatting, clippy, host tests, driver checks, test-vm).
 
 mod bench;
+mod boot_loop;
 mod ci;
 mod driver;
 mod expected;
@@ -43,6 +44,8 @@ enum Command {
     Bench(bench::Options),
     /// The suite on several kernels, then a table: passed, failed, skipped, driver mode, time.
     Matrix(matrix::Options),
+    /// Boot a kernel many times without the suite; count the clean boots, keep the others' consoles.
+    BootLoop(boot_loop::Options),
     /// Run checkpatch.pl --strict and sparse over driver/.
     CheckDriver(ci::DriverOptions),
     /// Check the rig's own verdicts: programs that pass, fail, skip and panic the kernel.
@@ -68,6 +71,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(opts) => bench::bench(&opts),
         Command::Package(opts) => package::package(&opts),
         Command::Wheel(opts) => python::wheel(&opts),
+        Command::BootLoop(opts) => boot_loop::boot_loop(&opts),
     };
     match res {
         Ok(code) => code,

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use fgds_qemu::machine::{self, Accel};
+use fgds_qemu::machine::{self, Accel, TcgThreads};
 use fgds_tests::pattern;
 use fgds_vm_images::{disk, kernel};
 
@@ -28,6 +28,11 @@ pub struct Options {
     /// CPU accelerator. KVM is opt-in: these hosts' /dev/kvm cannot boot the guest kernels.
     #[arg(long, value_enum, default_value_t = AccelArg::Tcg)]
     pub accel: AccelArg,
+    /// TCG's host threads: one for all vCPUs (single), or one per vCPU (multi: faster, but
+    /// QEMU then may run stale code after the kernel patches its text; docs/architecture.md,
+    /// Boot flakes).
+    #[arg(long, value_enum, default_value_t = DEFAULT_TCG_THREADS)]
+    pub tcg_threads: TcgThreadsArg,
     /// A static executable to run in the guest after the suite (repeatable). Exit 0 passes,
     /// 4 skips, anything else fails; KTAP lines it prints are reported as subtests.
     #[arg(long = "exec", value_name = "PATH")]
@@ -75,6 +80,7 @@ impl Options {
         Options {
             kernel: kernel.to_owned(),
             accel: AccelArg::Tcg,
+            tcg_threads: DEFAULT_TCG_THREADS,
             exec: Vec::new(),
             vgpu_mode: "plain".to_owned(),
             fgds_pages: "auto".to_owned(),
@@ -94,6 +100,18 @@ impl Options {
 pub enum AccelArg {
     Tcg,
     Kvm,
+}
+
+/// TCG's host threads unless `--tcg-threads` says otherwise: one. With a thread per vCPU,
+/// QEMU (7.2 and 10.0 alike) can keep a translation of code that another vCPU is rewriting, so
+/// the guest runs an INT3 the kernel already removed and oopses (docs/architecture.md, Boot
+/// flakes).
+pub const DEFAULT_TCG_THREADS: TcgThreadsArg = TcgThreadsArg::Single;
+
+#[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq)]
+pub enum TcgThreadsArg {
+    Single,
+    Multi,
 }
 
 pub fn test_vm(opts: &Options) -> anyhow::Result<ExitCode> {
@@ -121,6 +139,8 @@ pub struct KernelRun {
     pub expected_skips: usize,
     /// From the start of the fetch to the verdicts.
     pub took: Duration,
+    /// From QEMU's start to the guest's first result (`setup`); `None` if none came.
+    pub booted_in: Option<Duration>,
     pub outcomes: Vec<Outcome>,
     /// Where the run's artifacts are.
     pub run_dir: PathBuf,
@@ -133,6 +153,38 @@ pub const FGDS_PAGES: [&str; 3] = ["auto", "p2pdma", "generic"];
 /// kernel that cannot be fetched, a driver that does not build, a configuration the rig cannot
 /// run), not test failures.
 pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
+    let prepared = prepare(opts)?;
+    boot(&prepared, opts, true)
+}
+
+/// A run made ready to boot: the kernel fetched, the driver and the guest programs built, the
+/// initramfs written. [`boot`] boots it (once, or again for `cargo xtask boot-loop`).
+pub struct Prepared {
+    started: Instant,
+    label: String,
+    pub run_dir: PathBuf,
+    /// Held while the run directory is in use.
+    _lock: File,
+    kernel: kernel::Kernel,
+    build: driver::Build,
+    dkms_outcome: Option<Outcome>,
+    run_config: RunConfig,
+    /// The programs the expected-outcome table speaks for.
+    covered: Vec<String>,
+    suite: Vec<guest::SuiteEntry>,
+    initrd: PathBuf,
+    phases: Phases,
+}
+
+impl Prepared {
+    /// The run's name, e.g. `debian-7.3`, `debian-6.12-iommu`.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+}
+
+/// Fetches the kernel, builds the driver and the guest programs and writes the initramfs.
+pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
     let started = Instant::now();
     let spec: kernel::KernelSpec = opts.kernel.parse()?;
     let mut label = spec.slug();
@@ -148,7 +200,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     if opts.dkms {
         label.push_str("-dkms");
     }
-    let (run_dir, _lock) = claim_run_dir(&crate::project_root().join("target/vm"), &label)?;
+    let (run_dir, lock) = claim_run_dir(&crate::project_root().join("target/vm"), &label)?;
     eprintln!(
         "test-vm: {} (artifacts in {})",
         opts.kernel,
@@ -260,16 +312,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     }
 
     let initrd = run_dir.join("initramfs.cpio");
-    let memory = run_memory::create(
-        &run_dir,
-        opts.gpu_bytes,
-        pattern::NVME_IMAGE_BYTES + 2 * disk::SMALL_DRIVE_BYTES,
-    )?;
-    let gpu_backing = memory.gpu.clone();
-    let nvme_image = memory.drive("nvme.img")?;
-    let ext4_image = memory.drive("ext4.img")?;
-    let nvme2_image = memory.drive("nvme2.img")?;
-    phases.run("image", || {
+    phases.run("initramfs", || {
         // With vfio-pci as the exporter vgpu is not loaded at all: nothing of it can stand in.
         let rig = kos
             .iter()
@@ -300,6 +343,51 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         let plan =
             guest::make_initramfs(&kernel, &cache, &bin_dir, &setup, &suite, python, &initrd)?;
         std::fs::write(run_dir.join("plan.txt"), plan)?;
+        Ok(())
+    })?;
+    Ok(Prepared {
+        started,
+        label,
+        run_dir,
+        _lock: lock,
+        kernel,
+        build,
+        dkms_outcome,
+        run_config,
+        covered,
+        suite,
+        initrd,
+        phases,
+    })
+}
+
+/// Boots a prepared run and returns its verdicts; `echo` prints the results as they come and
+/// the phases' times. Errors are problems of the host, not test failures.
+pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<KernelRun> {
+    let mut phases = prepared.phases.clone();
+    let Prepared {
+        started,
+        label,
+        run_dir,
+        kernel,
+        build,
+        dkms_outcome,
+        run_config,
+        covered,
+        suite,
+        initrd,
+        ..
+    } = prepared;
+    let memory = run_memory::create(
+        run_dir,
+        opts.gpu_bytes,
+        pattern::NVME_IMAGE_BYTES + 2 * disk::SMALL_DRIVE_BYTES,
+    )?;
+    let gpu_backing = memory.gpu.clone();
+    let nvme_image = memory.drive("nvme.img")?;
+    let ext4_image = memory.drive("ext4.img")?;
+    let nvme2_image = memory.drive("nvme2.img")?;
+    phases.run("image", || {
         disk::write_nvme_image(&nvme_image)?;
         disk::write_gpu_backing(&gpu_backing, opts.gpu_bytes)?;
         disk::write_ext4_image(&ext4_image, disk::SMALL_DRIVE_BYTES)?;
@@ -309,11 +397,12 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
 
     let config = machine::Config {
         kernel: kernel.vmlinuz.clone(),
-        initrd,
+        initrd: initrd.clone(),
         cmdline: opts.append.clone(),
-        accel: match opts.accel {
-            AccelArg::Tcg => Accel::Tcg,
-            AccelArg::Kvm => Accel::Kvm,
+        accel: match (opts.accel, opts.tcg_threads) {
+            (AccelArg::Tcg, TcgThreadsArg::Single) => Accel::Tcg(TcgThreads::Single),
+            (AccelArg::Tcg, TcgThreadsArg::Multi) => Accel::Tcg(TcgThreads::Multi),
+            (AccelArg::Kvm, _) => Accel::Kvm,
         },
         cpus: 2,
         memory_mib: 2048,
@@ -329,18 +418,29 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     let limit = Duration::from_secs(
         BOOT_ALLOWANCE_SECS + suite.iter().map(|e| e.timeout_secs).sum::<u64>(),
     );
-    let run = run_machine(&config, limit)?;
+    let run = run_machine(&config, limit, echo)?;
     let boot = run.boot.unwrap_or(run.took);
     phases.record("boot", boot);
     phases.record("tests", run.took.saturating_sub(boot));
 
-    let files = machine::run_files(&run_dir);
+    let files = machine::run_files(run_dir);
     let ktap = machine::read_log(&files.ktap);
     let console = machine::read_log(&files.console);
     let machine_problem = match (&run.exit, machine::check_qemu_log(&files), run.panicked) {
         (machine::Exit::TimedOut, _, _) => Some(format!(
             "the machine ran past its limit of {} s and was stopped",
             limit.as_secs()
+        )),
+        (
+            machine::Exit::Exited {
+                signal: Some(signal),
+                ..
+            },
+            _,
+            _,
+        ) => Some(format!(
+            "QEMU died of signal {signal} (its log: {})",
+            files.qemu_log.display()
         )),
         (_, Err(err), _) => Some(format!("{err:#}")),
         (_, Ok(()), true) => Some("QEMU reported a guest panic (pvpanic)".to_owned()),
@@ -353,18 +453,22 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     let mut reports = Vec::<String>::new();
     for line in ktap.lines().filter_map(|l| l.split("fgds-report: ").nth(1)) {
         if !reports.iter().any(|r| r == line.trim()) {
-            eprintln!("  {}", line.trim());
+            if echo {
+                eprintln!("  {}", line.trim());
+            }
             reports.push(line.trim().to_owned());
         }
     }
-    eprintln!("  phases: {}", phases.summary());
+    if echo {
+        eprintln!("  phases: {}", phases.summary());
+    }
     let mut outcomes = vec![
-        driver::build_outcome(&label, &build),
-        driver::probes_outcome(&label, &kernel, &build),
+        driver::build_outcome(label, build),
+        driver::probes_outcome(label, kernel, build),
     ];
-    outcomes.extend(dkms_outcome);
+    outcomes.extend(dkms_outcome.clone());
     outcomes.extend(report::outcomes(&report::RunArtifacts {
-        label: &label,
+        label,
         planned: &planned,
         ktap: &ktap,
         console: &console,
@@ -372,12 +476,12 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
     }));
     let fgds_planned = suite.iter().any(|e| e.name.starts_with("fgds_"));
     outcomes.extend(expected::mode_outcome(
-        &run_config,
-        &label,
+        run_config,
+        label,
         &ktap,
         fgds_planned,
     ));
-    let expected_skips = expected::apply(&run_config, &label, &covered, &mut outcomes);
+    let expected_skips = expected::apply(run_config, label, covered, &mut outcomes);
     // The GPU's memory is RAM of the host: give it back once the verdicts are in.
     drop(memory);
     Ok(KernelRun {
@@ -388,6 +492,7 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         config: run_config.describe(),
         expected_skips,
         took: started.elapsed(),
+        booted_in: run.boot,
         outcomes,
         run_dir: run_dir.clone(),
     })
@@ -466,7 +571,11 @@ struct MachineRun {
     panicked: bool,
 }
 
-fn run_machine(config: &machine::Config, limit: Duration) -> anyhow::Result<MachineRun> {
+fn run_machine(
+    config: &machine::Config,
+    limit: Duration,
+    echo: bool,
+) -> anyhow::Result<MachineRun> {
     let mut vm = machine::start(config)?;
     let started = Instant::now();
     let files = machine::run_files(&config.run_dir);
@@ -482,7 +591,9 @@ fn run_machine(config: &machine::Config, limit: Duration) -> anyhow::Result<Mach
             if boot.is_none() {
                 boot = Some(started.elapsed());
             }
-            eprintln!("  [{:6.1}s] {line}", started.elapsed().as_secs_f64());
+            if echo {
+                eprintln!("  [{:6.1}s] {line}", started.elapsed().as_secs_f64());
+            }
         }
         shown = lines.len();
     };
