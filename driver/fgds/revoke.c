@@ -386,11 +386,19 @@ void fgds_buf_let_go(struct fgds_buf *buf)
 		fgds_buf_wait_quiet_locked(buf);
 		quiet = true;
 	}
-	if (quiet)
+	if (quiet) {
 		fgds_buf_unmap_locked(buf);
+		/*
+		 * Under the lock: until fgds_buf_free() detaches, an invalidation
+		 * can still come, and must find a registration that holds
+		 * nothing (not one whose pages I/O through another registration
+		 * of the same memory keeps busy, which it would put on the
+		 * pending list to be cleaned up after the free).
+		 */
+		fgds_buf_reap(buf);
+	}
 	dma_resv_unlock(resv);
 	if (quiet) {
-		fgds_buf_reap(buf);
 		wake_up_all(&buf->gpu->quiet_wq);
 		fgds_buf_free(buf);
 	}

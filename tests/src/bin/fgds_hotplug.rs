@@ -1,13 +1,17 @@
 //! fgds and GPU hot-unplug: the host removes the GPU (QMP device_del) while a buffer is mapped
 //! and while I/O runs into it; the mapping then raises SIGBUS, I/O fails with EFAULT, the open
 //! node answers ENODEV, the node disappears; after the GPU is plugged back a new node works.
+//! Each case plugs the GPU back whatever happened, so that a failure here does not leave the
+//! programs after it without a GPU.
 
 #[path = "../fgds_common.rs"]
 mod common;
+#[path = "../fgds_fault_common.rs"]
+mod fault;
 
 use std::os::fd::AsFd;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use common::{MIB, Map};
@@ -28,29 +32,62 @@ fn main() {
     ])
 }
 
-fn wait_for(what: &str, cond: impl Fn() -> bool) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !cond() {
-        if Instant::now() > deadline {
-            bail!("timed out waiting for {what}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
+/// Kernel log lines about the GPU's removal since `mark`: what to read when a step times out.
+fn removal_log(mark: u64) -> String {
+    let lines = fault::kernel_log_since(mark).unwrap_or_default();
+    let lines: Vec<_> = lines
+        .iter()
+        .filter(|l| {
+            ["pci", "vgpu", "fgds", "BAR", "hung", "blocked"]
+                .iter()
+                .any(|k| l.contains(k))
+        })
+        .map(String::as_str)
+        .collect();
+    if lines.is_empty() {
+        "the kernel logged nothing about it".to_owned()
+    } else {
+        format!("the kernel logged:\n{}", lines.join("\n"))
     }
-    Ok(())
+}
+
+/// Waits up to `timeout` for `cond`; on timeout the error carries the kernel's removal log.
+fn wait_for(
+    what: &str,
+    timeout: Duration,
+    mark: u64,
+    cond: impl Fn() -> bool,
+) -> anyhow::Result<()> {
+    fault::wait_until(what, timeout, || Ok(cond()))
+        .map(drop)
+        .map_err(|err| anyhow::anyhow!("{err:#}; {}", removal_log(mark)))
 }
 
 /// Unplugs the GPU and waits for its fgds node to go.
-fn unplug(node: &Path) -> anyhow::Result<()> {
+fn unplug(node: &Path, mark: u64) -> anyhow::Result<()> {
     ctl::device_del(ctl::GPU_ID)?;
-    wait_for("the fgds node to go", || !node.exists())
+    wait_for("the fgds node to go", Duration::from_secs(30), mark, || {
+        !node.exists()
+    })
 }
 
-/// Plugs the GPU back and waits for vgpu and a new fgds node, then checks that it works.
-fn replug_and_check() -> anyhow::Result<()> {
+/// Plugs the GPU back, whatever [`unplug`] returned: waits (up to 120 s) for a removal still
+/// under way to end, plugs it in, waits for vgpu and a new fgds node, then checks that it
+/// works.
+fn replug_and_check(node: &Path, mark: u64) -> anyhow::Result<()> {
+    wait_for(
+        "the GPU's removal to end before plugging it back",
+        Duration::from_secs(120),
+        mark,
+        || !node.exists(),
+    )?;
     ctl::gpu_add()?;
-    wait_for("vgpu and the fgds node to come back", || {
-        common::node_path().is_ok()
-    })?;
+    wait_for(
+        "vgpu and the fgds node to come back",
+        Duration::from_secs(60),
+        mark,
+        || common::node_path().is_ok(),
+    )?;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let len = 2 * MIB;
@@ -76,7 +113,13 @@ fn unplug_with_live_mapping() -> CaseResult {
     let nvme = common::nvme(false)?;
     common::pread_raw(&nvme, map.ptr, len as usize, 0).context("I/O before unplug")?;
     drop(vgpu);
-    unplug(&path)?;
+    let mark = fault::kernel_log_mark()?;
+    if let Err(err) = unplug(&path, mark) {
+        return Err(match replug_and_check(&path, mark) {
+            Ok(()) => err,
+            Err(again) => err.context(format!("and plugging the GPU back failed: {again:#}")),
+        });
+    }
 
     let checks = (|| -> anyhow::Result<()> {
         let status = common::touch_in_child(map.ptr)?;
@@ -102,7 +145,7 @@ fn unplug_with_live_mapping() -> CaseResult {
     drop(map);
     drop(node);
     drop(dmabuf);
-    let replugged = replug_and_check();
+    let replugged = replug_and_check(&path, mark);
     checks?;
     replugged?;
     ktap::pass()
@@ -118,6 +161,9 @@ fn unplug_during_io() -> CaseResult {
     let map = Map::shared(&node, idx, len as usize)?;
     drop(vgpu);
     let ptr = map.ptr as usize;
+    // Set when the unplug failed: the reader would otherwise read on for a long time.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop_reading = stop.clone();
     let reader = std::thread::spawn(move || -> (u32, Option<Errno>) {
         let Ok(nvme) = common::nvme(false) else {
             return (0, None);
@@ -128,13 +174,17 @@ fn unplug_during_io() -> CaseResult {
                 Ok(_) => ok += 1,
                 Err(e) => return (ok, Some(e)),
             }
-            if ok > 100_000 {
+            if ok > 100_000 || stop_reading.load(std::sync::atomic::Ordering::Relaxed) {
                 return (ok, None);
             }
         }
     });
     std::thread::sleep(Duration::from_millis(300));
-    let unplugged = unplug(&path);
+    let mark = fault::kernel_log_mark()?;
+    let unplugged = unplug(&path, mark);
+    if unplugged.is_err() {
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     let (ok, err) = reader
         .join()
         .map_err(|_| anyhow::anyhow!("reader panicked"))?;
@@ -144,8 +194,8 @@ fn unplug_during_io() -> CaseResult {
     drop(map);
     drop(node);
     drop(dmabuf);
+    let replugged = replug_and_check(&path, mark);
     unplugged?;
-    let replugged = replug_and_check();
     ensure!(
         err == Some(Errno::FAULT),
         "I/O after unplug ended with {err:?}, want EFAULT"

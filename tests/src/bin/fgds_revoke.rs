@@ -70,6 +70,10 @@ fn main() {
             name: "bar_resized_at_probe_is_read_again",
             run: bar_resized_at_probe_is_read_again,
         },
+        Case {
+            name: "unreg_racing_an_invalidation_with_pages_shared",
+            run: unreg_racing_an_invalidation_with_pages_shared,
+        },
     ])
 }
 
@@ -909,6 +913,72 @@ fn bar_resized_at_probe_is_read_again() -> CaseResult {
         "the BAR is not back to {full} bytes"
     );
     fault::data_check(4 * MIB, 44 * MIB).context("after the BAR was restored")?;
+    ktap::pass()
+}
+
+/// Found by the fuzzer (docs/fuzzing.md): two registrations of the same memory, reads running
+/// through one, the other's UNREG racing the exporter's invalidation. The released
+/// registration found its pages quiet and gave up the reservation lock before it gave back its
+/// page references; an invalidation in that window saw the pages busy (the other
+/// registration's reads), put the registration on the pending list, and its cleanup ran after
+/// the free (KASAN: slab-use-after-free in fgds_fence_retire_locked). Rounds until the time is
+/// up; the verdict is the kernel's (a splat fails the program) and the counters at the end.
+fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicBool;
+    const LEN: u64 = 256 * 1024;
+    const ROUNDS: u32 = 300;
+    const BUDGET: Duration = Duration::from_secs(10);
+    fault::require_idle()?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let started = Instant::now();
+    let mut rounds = 0;
+    let mut reads = 0;
+    while rounds < ROUNDS && started.elapsed() < BUDGET {
+        rounds += 1;
+        let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+        let busy = common::reg(&node, dmabuf.as_fd(), 0, LEN).context("REG of the busy one")?;
+        let map = Map::shared(&node, busy, LEN as usize)?;
+        let other = common::reg(&node, dmabuf.as_fd(), 0, LEN).context("REG of the other")?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let readers: Vec<_> = (0..2)
+            .map(|i| {
+                let (ptr, stop) = (map.ptr as usize, stop.clone());
+                std::thread::spawn(move || -> anyhow::Result<u32> {
+                    let nvme = common::nvme(false)?;
+                    let mut n = 0;
+                    let half = LEN as usize / 2;
+                    while !stop.load(Ordering::Relaxed) {
+                        let at = (ptr + i * half) as *mut u8;
+                        match common::pread_raw(&nvme, at, half, 0) {
+                            Ok(_) => n += 1,
+                            Err(Errno::FAULT) => break,
+                            Err(e) => bail!("a read through the busy registration: {e}"),
+                        }
+                    }
+                    Ok(n)
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(5));
+        let revoker = revoke_in_thread(bar_off);
+        let unreg = common::unreg(&node, other);
+        join(revoker, "revoked")?.context("revoke")?;
+        stop.store(true, Ordering::Relaxed);
+        for r in readers {
+            reads += join(r, "read")??;
+        }
+        ensure!(unreg.is_ok(), "UNREG of the other registration: {unreg:?}");
+        common::unreg(&node, busy).context("UNREG of the busy one")?;
+        drop(map);
+    }
+    ktap::diag(format_args!(
+        "{rounds} rounds, {reads} reads through the busy registration"
+    ));
+    drop(node);
+    fault::wait_counters_zero("after the races")?;
+    fault::wait_vgpu_buffers_gone("after the races: fgds let every buffer go")?;
     ktap::pass()
 }
 
