@@ -109,6 +109,14 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
             }),
         ));
     }
+    let fuzz = crate::fuzz::Options::ci();
+    eprintln!(
+        "ci: the fuzzer, {} min on {} (seed {})",
+        fuzz.minutes,
+        fuzz.kernel,
+        fuzz.seed.as_deref().unwrap_or("-")
+    );
+    outcomes.extend(or_failure("fuzz::run", crate::fuzz::run(&fuzz)));
     eprintln!("ci: rig self-test");
     outcomes.extend(or_failure(
         "rig-selftest::run",

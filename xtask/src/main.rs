@@ -3,12 +3,15 @@
 //! - `cargo xtask test-vm [--kernel SPEC] [--exec PATH]...`: build the driver and the guest,
 //!   boot a kernel in QEMU, run the suite, report one line per test.
 //! - `cargo xtask ci`: what CI runs (formatting, clippy, host tests, driver checks, test-vm).
+//! - `cargo xtask fuzz [--kernel SPEC] [--minutes N] [--seed S]`: the concurrency fuzzer under
+//!   a debug kernel's sanitizers.
 
 mod bench;
 mod boot_loop;
 mod ci;
 mod driver;
 mod expected;
+mod fuzz;
 mod guest;
 mod host;
 mod matrix;
@@ -46,6 +49,9 @@ enum Command {
     Matrix(matrix::Options),
     /// Boot a kernel many times without the suite; count the clean boots, keep the others' consoles.
     BootLoop(boot_loop::Options),
+    /// Run the concurrency fuzzer on a debug kernel (KASAN, lockdep, kmemleak) for some minutes:
+    /// its checks, the kernel's splats and leaks, operations per second and per outcome.
+    Fuzz(fuzz::Options),
     /// Run checkpatch.pl --strict and sparse over driver/.
     CheckDriver(ci::DriverOptions),
     /// Check the rig's own verdicts: programs that pass, fail, skip and panic the kernel.
@@ -72,6 +78,7 @@ fn main() -> std::process::ExitCode {
         Command::Package(opts) => package::package(&opts),
         Command::Wheel(opts) => python::wheel(&opts),
         Command::BootLoop(opts) => boot_loop::boot_loop(&opts),
+        Command::Fuzz(opts) => fuzz::fuzz(&opts),
     };
     match res {
         Ok(code) => code,
