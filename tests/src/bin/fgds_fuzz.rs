@@ -92,17 +92,41 @@ const MAX_ERRNO: usize = 140;
 const OUTCOMES: usize = 4 + MAX_ERRNO;
 
 fn outcome_name(i: usize) -> String {
+    const NAMES: &[(i32, &str)] = &[
+        (libc::EPERM, "EPERM"),
+        (libc::ENOENT, "ENOENT"),
+        (libc::EINTR, "EINTR"),
+        (libc::EIO, "EIO"),
+        (libc::ENXIO, "ENXIO"),
+        (libc::EBADF, "EBADF"),
+        (libc::EAGAIN, "EAGAIN"),
+        (libc::ENOMEM, "ENOMEM"),
+        (libc::EACCES, "EACCES"),
+        (libc::EFAULT, "EFAULT"),
+        (libc::EBUSY, "EBUSY"),
+        (libc::ENODEV, "ENODEV"),
+        (libc::EINVAL, "EINVAL"),
+        (libc::EMFILE, "EMFILE"),
+        (libc::ENOTTY, "ENOTTY"),
+        (libc::ENOSPC, "ENOSPC"),
+        (libc::ENODATA, "ENODATA"),
+        (libc::EOVERFLOW, "EOVERFLOW"),
+        (libc::EOPNOTSUPP, "EOPNOTSUPP"),
+        (libc::ETIMEDOUT, "ETIMEDOUT"),
+        (libc::EREMOTEIO, "EREMOTEIO"),
+    ];
     match i {
         OK => "ok".into(),
         SHORT => "short".into(),
         SIGBUS => "SIGBUS".into(),
         SIGSEGV => "SIGSEGV".into(),
-        e => Errno::from_raw_os_error((e - 4 + 1) as i32)
-            .to_string()
-            .split(' ')
-            .next()
-            .unwrap_or("?")
-            .to_owned(),
+        e => {
+            let raw = (e - 4 + 1) as i32;
+            NAMES
+                .iter()
+                .find(|(n, _)| *n == raw)
+                .map_or_else(|| format!("errno {raw}"), |(_, name)| (*name).to_owned())
+        }
     }
 }
 
@@ -499,11 +523,13 @@ fn chaos(
     } else {
         std::fs::write(drv.join("unbind"), &bdf).context("unbind vgpu")
     };
+    // An unbind returns once done (fgds keeps the node of a GPU without a driver); an unplug
+    // ends with the node gone.
     let gone = gone.and_then(|()| {
         fault::wait_until(
             "the GPU's fgds node to go",
             Duration::from_secs(120),
-            || Ok(!node.exists()),
+            || Ok(!unplug || !node.exists()),
         )
         .map(drop)
     });
@@ -665,6 +691,7 @@ fn run_worker(
     generation: u64,
     fixed_buffer_errno: Errno,
 ) -> anyhow::Result<i32> {
+    install_fault_handler()?;
     let base = reserve(REGION * (REGIONS + 1))?;
     let aligned = (base + 2 * MIB as usize - 1) & !(2 * MIB as usize - 1);
     let worker = Arc::new(Worker {
@@ -767,33 +794,52 @@ fn worker_thread(w: &Worker, mut rng: Rng, max_ops: u64) {
     }
 }
 
-/// The weights of the operations (per mille of the draws, roughly).
+/// The operations and their weights: cheap system calls most, I/O next, forks and exits
+/// rarely (a fork costs as much as hundreds of the others under TCG).
+type Op = fn(&Worker, &mut Rng);
+
+const WEIGHTS: &[(Op, u64)] = &[
+    (op_alloc, 40),
+    (op_free_buffer, 15),
+    (|w, r| op_reg(w, r, false), 70),
+    (|w, r| op_reg(w, r, true), 25),
+    (op_reg_invalid, 60),
+    (op_unreg, 55),
+    (op_unreg_invalid, 40),
+    (op_mmap, 80),
+    (op_mmap_invalid, 40),
+    (|w, r| op_munmap(w, r, false), 35),
+    (|w, r| op_munmap(w, r, true), 20),
+    (op_touch, 130),
+    (|w, r| op_in_child(w, r, false), 3),
+    (|w, r| op_in_child(w, r, true), 2),
+    (op_madvise, 60),
+    (|w, r| op_io(w, r, false), 90),
+    (|w, r| op_io(w, r, true), 25),
+    (op_uring, 60),
+    (op_fixed_buffer, 8),
+    (op_close_dmabuf, 20),
+    (|w, _| op_close_node(w), 6),
+    (op_revoke, 30),
+    (
+        |w, r| {
+            // About once a minute per worker at the usual rate.
+            if r.chance(50) {
+                op_exit(w)
+            }
+        },
+        1,
+    ),
+];
+
 fn one_op(w: &Worker, rng: &mut Rng) {
-    match rng.below(1000) {
-        0..60 => op_alloc(w, rng),
-        60..80 => op_free_buffer(w, rng),
-        80..160 => op_reg(w, rng, false),
-        160..190 => op_reg(w, rng, true),
-        190..230 => op_reg_invalid(w, rng),
-        230..290 => op_unreg(w, rng),
-        290..310 => op_unreg_invalid(w, rng),
-        310..400 => op_mmap(w, rng),
-        400..420 => op_mmap_invalid(w, rng),
-        420..460 => op_munmap(w, rng, false),
-        460..480 => op_munmap(w, rng, true),
-        480..530 => op_touch(w, rng),
-        530..550 => op_in_child(w, rng, false),
-        550..565 => op_in_child(w, rng, true),
-        565..610 => op_madvise(w, rng),
-        610..740 => op_io(w, rng, false),
-        740..780 => op_io(w, rng, true),
-        780..860 => op_uring(w, rng),
-        860..875 => op_fixed_buffer(w, rng),
-        875..900 => op_close_dmabuf(w, rng),
-        900..915 => op_close_node(w),
-        915..960 => op_revoke(w, rng),
-        960..961 => op_exit(w),
-        _ => op_io(w, rng, false),
+    let total: u64 = WEIGHTS.iter().map(|(_, n)| n).sum();
+    let mut draw = rng.below(total);
+    for (op, n) in WEIGHTS {
+        if draw < *n {
+            return op(w, rng);
+        }
+        draw -= n;
     }
 }
 
@@ -915,10 +961,11 @@ fn op_reg(w: &Worker, rng: &mut Rng, again: bool) {
         Err(e) => {
             drop(dmabuf);
             let gpu_gone = node.epoch != sh.epoch.load(SeqCst);
+            // EINTR: a signal (or io_uring's task work) came while it waited for the lock.
             let allowed: &[Errno] = if buf.may_be_revoked(sh) || gpu_gone {
-                &[Errno::NODEV]
+                &[Errno::NODEV, Errno::INTR]
             } else {
-                &[]
+                &[Errno::INTR]
             };
             sh.check(op, Err(e), allowed, "a valid registration");
             if gpu_gone {
@@ -1000,7 +1047,7 @@ fn op_reg_invalid(w: &Worker, rng: &mut Rng) {
         let _ = common::unreg(&node.file, arg.idx);
         return;
     }
-    let mut allowed = vec![want];
+    let mut allowed = vec![want, Errno::INTR];
     if node.epoch != sh.epoch.load(SeqCst) {
         allowed.push(Errno::NODEV);
     }
@@ -1192,26 +1239,90 @@ fn range_in(mapped: &Mapped, rng: &mut Rng, max: usize) -> (usize, usize) {
     (first * PAGE as usize, n * PAGE as usize)
 }
 
-/// A CPU load or store in a child: SIGBUS only on a revoked buffer, SIGSEGV only in a hole.
+// CPU accesses that may fault: one instruction each, which the SIGBUS/SIGSEGV handler steps
+// over, returning the signal in rax (0: no fault). Cheaper than a child per access.
+std::arch::global_asm!(
+    ".globl fgds_fuzz_load",
+    "fgds_fuzz_load:",
+    "xor eax, eax",
+    ".globl fgds_fuzz_load_insn",
+    "fgds_fuzz_load_insn:",
+    "mov rdx, qword ptr [rdi]",
+    ".globl fgds_fuzz_load_end",
+    "fgds_fuzz_load_end:",
+    "ret",
+    ".globl fgds_fuzz_store",
+    "fgds_fuzz_store:",
+    "xor eax, eax",
+    ".globl fgds_fuzz_store_insn",
+    "fgds_fuzz_store_insn:",
+    "mov qword ptr [rdi], rsi",
+    ".globl fgds_fuzz_store_end",
+    "fgds_fuzz_store_end:",
+    "ret",
+);
+
+unsafe extern "C" {
+    fn fgds_fuzz_load(p: *const u64) -> u64;
+    fn fgds_fuzz_store(p: *mut u64, v: u64) -> u64;
+    static fgds_fuzz_load_insn: u8;
+    static fgds_fuzz_load_end: u8;
+    static fgds_fuzz_store_insn: u8;
+    static fgds_fuzz_store_end: u8;
+}
+
+/// SIGBUS and SIGSEGV: at one of the probe instructions, step over it with the signal in
+/// rax; anywhere else the default action (the worker dies, a failure).
+extern "C" fn on_fault(sig: i32, _info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes the interrupted context; the labels are the probes' own.
+    unsafe {
+        let uc = &mut *ctx.cast::<libc::ucontext_t>();
+        let rip = uc.uc_mcontext.gregs[libc::REG_RIP as usize] as usize;
+        let resume = if rip == &raw const fgds_fuzz_load_insn as usize {
+            &raw const fgds_fuzz_load_end as usize
+        } else if rip == &raw const fgds_fuzz_store_insn as usize {
+            &raw const fgds_fuzz_store_end as usize
+        } else {
+            libc::signal(sig, libc::SIG_DFL);
+            return;
+        };
+        uc.uc_mcontext.gregs[libc::REG_RIP as usize] = resume as i64;
+        uc.uc_mcontext.gregs[libc::REG_RAX as usize] = sig as i64;
+    }
+}
+
+fn install_fault_handler() -> anyhow::Result<()> {
+    for sig in [libc::SIGBUS, libc::SIGSEGV] {
+        // SAFETY: a plain sigaction with an async-signal-safe handler.
+        let r = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_fault as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO;
+            libc::sigaction(sig, &sa, std::ptr::null_mut())
+        };
+        ensure!(r == 0, "sigaction: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A CPU load or store: SIGBUS only on a revoked buffer, SIGSEGV only in a hole.
 fn op_touch(w: &Worker, rng: &mut Rng) {
     let sh = w.sh;
     let region = &w.regions[rng.below(REGIONS as u64) as usize];
     let state = region.state.read().unwrap();
     let Some(mapped) = state.as_ref() else { return };
     let at = rng.below(mapped.len as u64) as usize & !7;
-    let store = rng.chance(500);
     let ptr = (region.addr + at) as *mut u64;
-    let status = fork_wait(|| {
-        // SAFETY: a deliberate access to a mapping that may be revoked, in a throwaway child.
-        unsafe {
-            if store {
-                ptr.write_volatile(0x6675_7a7a);
-            } else {
-                let _ = ptr.read_volatile();
-            }
+    // SAFETY: an access to our own region (a mapping, a hole or the reservation); a fault is
+    // stepped over by on_fault and reported here.
+    let sig = unsafe {
+        if rng.chance(500) {
+            fgds_fuzz_store(ptr, 0x6675_7a7a)
+        } else {
+            fgds_fuzz_load(ptr)
         }
-        0
-    });
+    };
+    let status = if sig == 0 { 0 } else { 128 + sig as i32 };
     judge_access(sh, "touch", status, mapped, at, at + 8);
 }
 
@@ -1277,7 +1388,7 @@ fn op_in_child(w: &Worker, rng: &mut Rng, mremap: bool) {
     let Some(mapped) = state.as_ref() else { return };
     // A range of several VMAs (holes, or parts the child did not inherit) cannot be moved.
     let mremap = mremap && mapped.holes.is_empty() && !mapped.dontfork.load(SeqCst);
-    let (from, len) = range_in(mapped, rng, MIB as usize);
+    let (from, len) = range_in(mapped, rng, 256 * 1024);
     let drive_off = rng.below(pattern::NVME_PATTERN_BYTES / PAGE - 256) * PAGE;
     let fd = w.nvme_read.as_raw_fd();
     let addr = region.addr;
@@ -1290,7 +1401,7 @@ fn op_in_child(w: &Worker, rng: &mut Rng, mremap: bool) {
                 libc::mremap(addr as *mut libc::c_void, mlen, mlen, libc::MREMAP_MAYMOVE)
             };
             if p == libc::MAP_FAILED {
-                return 10;
+                return 10 + last_errno().min(80);
             }
             at = p as usize;
         }
@@ -1304,7 +1415,7 @@ fn op_in_child(w: &Worker, rng: &mut Rng, mremap: bool) {
             )
         };
         if n < 0 {
-            return if last_errno() == libc::EFAULT { 2 } else { 3 };
+            return 100 + last_errno();
         }
         if mremap {
             // SAFETY: a load from the moved mapping (SIGBUS if revoked meanwhile).
@@ -1318,21 +1429,21 @@ fn op_in_child(w: &Worker, rng: &mut Rng, mremap: bool) {
         || mapped.dontfork.load(SeqCst);
     match status {
         1 if fault_ok => sh.count(op, SHORT),
-        2 if fault_ok => sh.count(op, errno_outcome(Errno::FAULT)),
-        1 | 2 | 3 | 10 => {
-            sh.count(op, errno_outcome(Errno::IO));
+        1 => {
+            sh.count(op, SHORT);
             sh.fail(
                 op,
-                format_args!(
-                    "in the child: {}",
-                    match status {
-                        1 => "a short read into a live mapping",
-                        2 => "EFAULT reading into a live mapping",
-                        3 => "a read failed with an errno other than EFAULT",
-                        _ => "mremap of its mapping failed",
-                    }
-                ),
+                format_args!("in the child: a short read into a live mapping"),
             );
+        }
+        100..128 => {
+            let e = Errno::from_raw_os_error(status - 100);
+            let allowed: &[Errno] = if fault_ok { &[Errno::FAULT] } else { &[] };
+            sh.check(op, Err(e), allowed, "in the child: a read into the mapping");
+        }
+        10..100 => {
+            let e = Errno::from_raw_os_error(status - 10);
+            sh.check(op, Err(e), &[], "in the child: mremap of its mapping");
         }
         s => judge_access(sh, op, s, mapped, from, from + len),
     }
@@ -1400,7 +1511,7 @@ fn op_io(w: &Worker, rng: &mut Rng, write: bool) {
     let region = &w.regions[rng.below(REGIONS as u64) as usize];
     let state = region.state.read().unwrap();
     let (from, len) = match state.as_ref() {
-        Some(m) => range_in(m, rng, MIB as usize),
+        Some(m) => range_in(m, rng, 256 * 1024),
         None => (0, PAGE as usize),
     };
     let ptr = (region.addr + from) as *mut libc::c_void;
@@ -1440,13 +1551,38 @@ fn op_uring(w: &Worker, rng: &mut Rng) {
     let region = &w.regions[rng.below(REGIONS as u64) as usize];
     let state = region.state.read().unwrap();
     let Some(mapped) = state.as_ref() else { return };
-    let Ok(mut ring) = io_uring::IoUring::new(4) else {
-        return sh.fail("uring_read", format_args!("io_uring_setup failed"));
-    };
+    thread_local! {
+        static RING: std::cell::RefCell<Option<io_uring::IoUring>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    RING.with_borrow_mut(|ring| {
+        if ring.is_none() {
+            *ring = io_uring::IoUring::new(4).ok();
+        }
+        match ring.as_mut() {
+            // A ring whose submission failed may hold requests: a new one next time.
+            Some(r) => {
+                if !uring_reads(w, rng, r, region, mapped) {
+                    *ring = None;
+                }
+            }
+            None => sh.fail("uring_read", format_args!("io_uring_setup failed")),
+        }
+    });
+}
+
+fn uring_reads(
+    w: &Worker,
+    rng: &mut Rng,
+    ring: &mut io_uring::IoUring,
+    region: &Region,
+    mapped: &Mapped,
+) -> bool {
+    let sh = w.sh;
     let n = 1 + rng.below(4) as usize;
     let mut reqs = Vec::new();
     for i in 0..n {
-        let (from, len) = range_in(mapped, rng, 256 * 1024);
+        let (from, len) = range_in(mapped, rng, 64 * 1024);
         let off = rng.below((pattern::NVME_PATTERN_BYTES - MIB) / PAGE) * PAGE;
         let sqe = io_uring::opcode::Read::new(
             io_uring::types::Fd(w.nvme_read.as_raw_fd()),
@@ -1458,18 +1594,26 @@ fn op_uring(w: &Worker, rng: &mut Rng) {
         .user_data(i as u64);
         // SAFETY: the region is held until every completion is reaped below.
         if unsafe { ring.submission().push(&sqe) }.is_err() {
-            break;
+            return false;
         }
         reqs.push((from, len));
     }
-    if let Err(e) = ring.submit_and_wait(reqs.len()) {
-        return sh.fail("uring_read", format_args!("io_uring_enter: {e}"));
+    loop {
+        match ring.submit_and_wait(reqs.len()) {
+            Ok(_) => break,
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+            Err(e) => {
+                sh.fail("uring_read", format_args!("io_uring_enter: {e}"));
+                return false;
+            }
+        }
     }
     for cqe in ring.completion() {
         let (from, len) = reqs[cqe.user_data() as usize];
         let fault_ok = may_fault(sh, Some(mapped), from, len);
         judge_transfer(sh, "uring_read", cqe.result() as i64, len, fault_ok);
     }
+    true
 }
 
 /// IORING_REGISTER_BUFFERS on a mapping: must fail, in every mode.
@@ -1533,6 +1677,12 @@ fn op_revoke(w: &Worker, rng: &mut Rng) {
     let Some(buf) = pick(&w.buffers, rng) else {
         return;
     };
+    // Only while its fd is open: else vgpu may have freed it and handed its range to a
+    // buffer revoked here by mistake.
+    let dmabuf = buf.dmabuf.lock().unwrap();
+    if dmabuf.is_none() {
+        return;
+    }
     let already = buf.revoked.swap(true, SeqCst);
     let epoch = sh.epoch.load(SeqCst);
     let path = match common::vgpu_name() {
@@ -1541,6 +1691,7 @@ fn op_revoke(w: &Worker, rng: &mut Rng) {
     };
     let got = std::fs::write(&path, buf.bar_off.to_string())
         .map_err(|e| Errno::from_io_error(&e).unwrap_or(Errno::IO));
+    drop(dmabuf);
     // ENOENT: no live buffer there (revoked before, or vgpu rebound since).
     let mut allowed = Vec::new();
     if already || buf.epoch != epoch || epoch != sh.epoch.load(SeqCst) {
