@@ -606,8 +606,10 @@ struct Reg {
     node: Arc<Node>,
     idx: u64,
     len: u64,
-    /// UNREG was called (or is being called).
-    gone: AtomicBool,
+    /// Whether UNREG was called. Held shared across an mmap of the token, exclusively across
+    /// UNREG: a token UNREG gave back may name another registration next (of this worker:
+    /// it would be mapped as the wrong buffer).
+    gone: RwLock<bool>,
 }
 
 /// What one of a worker's address-space regions holds: a mapping of a registration, moved
@@ -619,6 +621,8 @@ struct Mapped {
     holes: Vec<(usize, usize)>,
     /// MADV_DONTFORK was asked for on part of it: a child may not have it.
     dontfork: AtomicBool,
+    /// Advice on part of it may have split it into several VMAs, which mremap cannot move.
+    split: AtomicBool,
 }
 
 impl Mapped {
@@ -955,7 +959,7 @@ fn op_reg(w: &Worker, rng: &mut Rng, again: bool) {
                 node,
                 idx,
                 len,
-                gone: AtomicBool::new(false),
+                gone: RwLock::new(false),
             }));
         }
         Err(e) => {
@@ -1068,7 +1072,8 @@ fn op_unreg(w: &Worker, rng: &mut Rng) {
         let i = rng.below(regs.len() as u64) as usize;
         regs.swap_remove(i)
     };
-    reg.gone.store(true, SeqCst);
+    let mut gone = reg.gone.write().unwrap();
+    *gone = true;
     w.sh.check(
         "unreg",
         common::unreg(&reg.node.file, reg.idx),
@@ -1116,16 +1121,18 @@ fn op_mmap(w: &Worker, rng: &mut Rng) {
         return;
     }
     let len = reg.len as usize;
+    let gone = reg.gone.read().unwrap();
+    if *gone {
+        return;
+    }
     let map = common::Map::new(&reg.node.file, reg.idx, len, libc::MAP_SHARED);
+    drop(gone);
     let map = match map {
         Ok(m) => m,
         Err(e) => {
             let mut allowed = Vec::new();
             if reg.buf.may_be_revoked(sh) || reg.node.epoch != sh.epoch.load(SeqCst) {
                 allowed.push(Errno::NODEV);
-            }
-            if reg.gone.load(SeqCst) {
-                allowed.push(Errno::NOENT);
             }
             return sh.check("mmap", Err(e), &allowed, "mmap of a registered token");
         }
@@ -1152,6 +1159,7 @@ fn op_mmap(w: &Worker, rng: &mut Rng) {
         len,
         holes: Vec::new(),
         dontfork: AtomicBool::new(false),
+        split: AtomicBool::new(false),
     });
 }
 
@@ -1177,7 +1185,13 @@ fn op_mmap_invalid(w: &Worker, rng: &mut Rng) {
         ),
     };
     let file = reg.as_ref().map_or(&node.file, |r| &r.node.file);
-    match common::Map::new(file, idx, len as usize, flags) {
+    let gone = reg.as_ref().map(|r| r.gone.read().unwrap());
+    if gone.as_ref().is_some_and(|g| **g) {
+        return;
+    }
+    let map = common::Map::new(file, idx, len as usize, flags);
+    drop(gone);
+    match map {
         Ok(map) => {
             sh.count("mmap_invalid", OK);
             sh.fail("mmap_invalid", format_args!("mmap with {what} worked"));
@@ -1191,9 +1205,6 @@ fn op_mmap_invalid(w: &Worker, rng: &mut Rng) {
                 || node.epoch != sh.epoch.load(SeqCst)
             {
                 allowed.push(Errno::NODEV);
-            }
-            if reg.as_ref().is_some_and(|r| r.gone.load(SeqCst)) {
-                allowed.push(Errno::NOENT);
             }
             sh.check("mmap_invalid", Err(e), &allowed, what);
         }
@@ -1387,7 +1398,10 @@ fn op_in_child(w: &Worker, rng: &mut Rng, mremap: bool) {
     let state = region.state.read().unwrap();
     let Some(mapped) = state.as_ref() else { return };
     // A range of several VMAs (holes, or parts the child did not inherit) cannot be moved.
-    let mremap = mremap && mapped.holes.is_empty() && !mapped.dontfork.load(SeqCst);
+    let mremap = mremap
+        && mapped.holes.is_empty()
+        && !mapped.dontfork.load(SeqCst)
+        && !mapped.split.load(SeqCst);
     let (from, len) = range_in(mapped, rng, 256 * 1024);
     let drive_off = rng.below(pattern::NVME_PATTERN_BYTES / PAGE - 256) * PAGE;
     let fd = w.nvme_read.as_raw_fd();
@@ -1457,11 +1471,7 @@ const ADVICE: &[(i32, &str, &[Errno])] = &[
     // madvise_behavior_valid() takes it, then VM_IO mappings (P2PDMA pages) refuse it.
     (libc::MADV_DOFORK, "DOFORK", &[Errno::INVAL]),
     // vfs_fallocate() on a character device.
-    (
-        libc::MADV_REMOVE,
-        "REMOVE",
-        &[Errno::NODEV, Errno::OPNOTSUPP],
-    ),
+    (libc::MADV_REMOVE, "REMOVE", &[Errno::NODEV]),
     (libc::MADV_FREE, "FREE", &[Errno::INVAL]),
     (libc::MADV_HUGEPAGE, "HUGEPAGE", &[Errno::INVAL]),
     (libc::MADV_NOHUGEPAGE, "NOHUGEPAGE", &[Errno::INVAL]),
@@ -1487,9 +1497,13 @@ fn op_madvise(w: &Worker, rng: &mut Rng) {
     } else {
         Err(Errno::from_raw_os_error(last_errno()))
     };
+    if from != 0 || len != mapped.len {
+        mapped.split.store(true, SeqCst);
+    }
     let mut allowed = allowed.to_vec();
+    // A hole is an anonymous reservation: advice for files only fails there.
     if mapped.hole_in(from, from + len) {
-        allowed.push(Errno::NOMEM);
+        allowed.push(Errno::INVAL);
     }
     sh.check("madvise", got, &allowed, &format!("MADV_{name}"));
 }
