@@ -149,7 +149,8 @@ const MAX_FAILURE_LINES: u64 = 40;
 struct Shared {
     stop: AtomicBool,
     paused: AtomicBool,
-    /// Bumped before every unbind or unplug: a buffer registered before it may SIGBUS.
+    /// Bumped before every unbind or unplug and once the GPU is back: a node opened or a
+    /// buffer allocated in an earlier epoch may fail with ENODEV, a mapping of it SIGBUS.
     epoch: AtomicU64,
     ops: AtomicU64,
     failures: AtomicU64,
@@ -554,6 +555,8 @@ fn chaos(
         )
         .map(drop)
     });
+    // Nodes opened and buffers allocated while the GPU went may be of the old one too.
+    sh.epoch.fetch_add(1, SeqCst);
     let result = gone
         .and(quiet)
         .and(back)
