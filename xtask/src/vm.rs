@@ -40,8 +40,9 @@ pub struct Options {
     /// The vgpu exporter's mode: plain (no struct pages, like VRAM) or p2pdma.
     #[arg(long, default_value = "plain")]
     pub vgpu_mode: String,
-    /// fgds's `pages=` parameter: which pages it creates over the GPU's BAR (auto: GENERIC
-    /// where DMA reaches them as it would P2PDMA pages, else P2PDMA).
+    /// fgds's `pages=` parameter: which pages it creates over the GPU's BAR (auto: P2PDMA
+    /// wherever the kernel has CONFIG_PCI_P2PDMA, GENERIC only on kernels without it and only
+    /// where fgds vouches for the topology).
     #[arg(long, default_value = "auto", value_parser = FGDS_PAGES)]
     pub fgds_pages: String,
     /// Run only the suite's programs whose names contain this (repeatable; --exec ones always run).
