@@ -191,8 +191,10 @@ impl Shared {
     fn fail(&self, op: &str, what: std::fmt::Arguments<'_>) {
         if self.failures.fetch_add(1, SeqCst) < MAX_FAILURE_LINES {
             ktap::diag(format_args!(
-                "FAILED {op} (pid {}): {what}",
-                std::process::id()
+                "FAILED {op} (pid {}, at {:.3} s, epoch {}): {what}",
+                std::process::id(),
+                uptime(),
+                self.epoch.load(SeqCst)
             ));
         }
     }
@@ -209,6 +211,12 @@ impl Shared {
             }
         }
     }
+}
+
+/// Seconds since boot, as the kernel log's timestamps count them.
+fn uptime() -> f64 {
+    rustix::time::clock_gettime(rustix::time::ClockId::Boottime).tv_sec as f64
+        + rustix::time::clock_gettime(rustix::time::ClockId::Boottime).tv_nsec as f64 * 1e-9
 }
 
 /// splitmix64: each thread's own sequence, from the run's seed.
@@ -519,6 +527,11 @@ fn chaos(
         .context("the GPU's driver link")?;
     sh.epoch.fetch_add(1, SeqCst);
     let mark = fault::kernel_log_mark()?;
+    ktap::diag(format_args!(
+        "{op} at {:.3} s, epoch {}",
+        uptime(),
+        sh.epoch.load(SeqCst)
+    ));
     let gone = if unplug {
         ctl::device_del(ctl::GPU_ID)
     } else {
@@ -974,7 +987,15 @@ fn op_reg(w: &Worker, rng: &mut Rng, again: bool) {
             } else {
                 &[Errno::INTR]
             };
-            sh.check(op, Err(e), allowed, "a valid registration");
+            sh.check(
+                op,
+                Err(e),
+                allowed,
+                &format!(
+                    "a valid registration of {:#x}+{:#x}, allocated in epoch {}, node of epoch {}",
+                    buf.bar_off, buf.len, buf.epoch, node.epoch
+                ),
+            );
             if gpu_gone {
                 *w.node.lock().unwrap() = None;
             }
