@@ -382,14 +382,8 @@ fn fuzz() -> CaseResult {
     let mut next_kill = next_event(&mut rng, cfg.chaos);
     let mut chaos_error = None;
     while Instant::now() < deadline && !sh.stop.load(SeqCst) {
+        reap(sh, &mut workers)?;
         for (slot, pid) in workers.iter_mut().enumerate() {
-            if let Some(p) = *pid
-                && let Some(status) = try_wait(p)?
-            {
-                *pid = None;
-                sh.active[slot].store(0, SeqCst);
-                judge_exit(sh, status, false);
-            }
             if pid.is_none() {
                 generation += 1;
                 *pid = Some(spawn_worker(sh, &cfg, slot, generation)?);
@@ -398,7 +392,7 @@ fn fuzz() -> CaseResult {
         let now = started.elapsed();
         if next_chaos.is_some_and(|t| now >= t) {
             let unplug = rng.chance(400);
-            if let Err(err) = chaos(sh, unplug, &mut guards, &ranges) {
+            if let Err(err) = chaos(sh, unplug, &mut guards, &ranges, &mut workers) {
                 chaos_error = Some(err);
                 break;
             }
@@ -446,6 +440,20 @@ fn fuzz() -> CaseResult {
     drop(guards);
     fault::wait_vgpu_buffers_gone("after the fuzzer stopped: fgds let every buffer go")?;
     ktap::pass()
+}
+
+/// Waits for the workers that ended, judges their ends, and clears their slots and counts.
+fn reap(sh: &Shared, workers: &mut [Option<libc::pid_t>]) -> anyhow::Result<()> {
+    for (slot, pid) in workers.iter_mut().enumerate() {
+        if let Some(p) = *pid
+            && let Some(status) = try_wait(p)?
+        {
+            *pid = None;
+            sh.active[slot].store(0, SeqCst);
+            judge_exit(sh, status, false);
+        }
+    }
+    Ok(())
 }
 
 /// When the next event of a kind comes: on average every `every` seconds, none for 0.
@@ -515,6 +523,7 @@ fn chaos(
     unplug: bool,
     guards: &mut Option<Guards>,
     ranges: &[(u64, u64)],
+    workers: &mut [Option<libc::pid_t>],
 ) -> anyhow::Result<()> {
     let op = if unplug {
         "unplug_replug"
@@ -552,7 +561,11 @@ fn chaos(
     let quiet = fault::wait_until(
         "every fuzz operation to end after the pause",
         Duration::from_secs(60),
-        || Ok(sh.active.iter().all(|a| a.load(SeqCst) == 0)),
+        || {
+            // A worker that ended meanwhile left its count behind.
+            reap(sh, workers)?;
+            Ok(sh.active.iter().all(|a| a.load(SeqCst) == 0))
+        },
     );
     *guards = None;
     let back = if unplug {
