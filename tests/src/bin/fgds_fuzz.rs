@@ -154,6 +154,8 @@ struct Shared {
     epoch: AtomicU64,
     ops: AtomicU64,
     failures: AtomicU64,
+    /// Set from the first bump to the second: the GPU is going or coming back.
+    chaos: AtomicBool,
     /// Operations running, per worker slot (reset when the worker dies).
     active: [AtomicU64; MAX_WORKERS],
     counts: [[AtomicU64; OUTCOMES]; 32],
@@ -183,6 +185,12 @@ fn shared() -> anyhow::Result<&'static Shared> {
 }
 
 impl Shared {
+    /// Whether something of `epoch` may have lost its GPU: an unbind or unplug came since, or
+    /// one is under way.
+    fn stale(&self, epoch: u64) -> bool {
+        epoch != self.epoch.load(SeqCst) || self.chaos.load(SeqCst)
+    }
+
     fn count(&self, op: &str, outcome: usize) {
         self.counts[op_index(op)][outcome].fetch_add(1, SeqCst);
     }
@@ -534,6 +542,7 @@ fn chaos(
     let node = common::node_path()?;
     let drv = std::fs::canonicalize(format!("/sys/bus/pci/devices/{bdf}/driver"))
         .context("the GPU's driver link")?;
+    sh.chaos.store(true, SeqCst);
     sh.epoch.fetch_add(1, SeqCst);
     let mark = fault::kernel_log_mark()?;
     ktap::diag(format_args!(
@@ -591,6 +600,7 @@ fn chaos(
             *guards = Some(set_guards()?);
             Ok(())
         });
+    sh.chaos.store(false, SeqCst);
     sh.paused.store(false, SeqCst);
     match result {
         Ok(()) => {
@@ -625,7 +635,7 @@ struct Buffer {
 impl Buffer {
     /// Whether the buffer may have been revoked: by the worker, or by an unbind or unplug.
     fn may_be_revoked(&self, sh: &Shared) -> bool {
-        self.revoked.load(SeqCst) || self.epoch != sh.epoch.load(SeqCst)
+        self.revoked.load(SeqCst) || sh.stale(self.epoch)
     }
 }
 
@@ -930,7 +940,7 @@ fn op_alloc(w: &Worker, rng: &mut Rng) {
             let e = io_errno(&err);
             sh.count("alloc", errno_outcome(e));
             // ENOMEM: the window is full. ENODEV/ENXIO: vgpu is going away.
-            if e == Errno::NODEV || e == Errno::NXIO || epoch != sh.epoch.load(SeqCst) {
+            if e == Errno::NODEV || e == Errno::NXIO || sh.stale(epoch) {
                 *w.vgpu.lock().unwrap() = None;
             } else if e != Errno::NOMEM {
                 sh.fail("alloc", format_args!("{err}"));
@@ -993,7 +1003,7 @@ fn op_reg(w: &Worker, rng: &mut Rng, again: bool) {
         }
         Err(e) => {
             drop(dmabuf);
-            let gpu_gone = node.epoch != sh.epoch.load(SeqCst);
+            let gpu_gone = sh.stale(node.epoch);
             // EINTR: a signal (or io_uring's task work) came while it waited for the lock.
             let allowed: &[Errno] = if buf.may_be_revoked(sh) || gpu_gone {
                 &[Errno::NODEV, Errno::INTR]
@@ -1089,7 +1099,7 @@ fn op_reg_invalid(w: &Worker, rng: &mut Rng) {
         return;
     }
     let mut allowed = vec![want, Errno::INTR];
-    if node.epoch != sh.epoch.load(SeqCst) {
+    if sh.stale(node.epoch) {
         allowed.push(Errno::NODEV);
     }
     sh.check(
@@ -1168,7 +1178,7 @@ fn op_mmap(w: &Worker, rng: &mut Rng) {
         Ok(m) => m,
         Err(e) => {
             let mut allowed = Vec::new();
-            if reg.buf.may_be_revoked(sh) || reg.node.epoch != sh.epoch.load(SeqCst) {
+            if reg.buf.may_be_revoked(sh) || sh.stale(reg.node.epoch) {
                 allowed.push(Errno::NODEV);
             }
             return sh.check("mmap", Err(e), &allowed, "mmap of a registered token");
@@ -1238,8 +1248,8 @@ fn op_mmap_invalid(w: &Worker, rng: &mut Rng) {
             let mut allowed = vec![want];
             if reg
                 .as_ref()
-                .is_some_and(|r| r.buf.may_be_revoked(sh) || r.node.epoch != sh.epoch.load(SeqCst))
-                || node.epoch != sh.epoch.load(SeqCst)
+                .is_some_and(|r| r.buf.may_be_revoked(sh) || sh.stale(r.node.epoch))
+                || sh.stale(node.epoch)
             {
                 allowed.push(Errno::NODEV);
             }
@@ -1379,8 +1389,7 @@ fn judge_access(sh: &Shared, op: &str, status: i32, mapped: &Mapped, from: usize
         0 => sh.count(op, OK),
         s if s == 128 + libc::SIGBUS => {
             sh.count(op, SIGBUS);
-            let epoch = sh.epoch.load(SeqCst);
-            if !mapped.buf.may_be_revoked(sh) && mapped.node_epoch == epoch {
+            if !mapped.buf.may_be_revoked(sh) && !sh.stale(mapped.node_epoch) {
                 sh.fail(
                     op,
                     format_args!(
@@ -1475,7 +1484,7 @@ fn op_in_child(w: &Worker, rng: &mut Rng, mremap: bool) {
         if (n as usize) < len { 1 } else { 0 }
     });
     let fault_ok = mapped.buf.may_be_revoked(sh)
-        || mapped.node_epoch != sh.epoch.load(SeqCst)
+        || sh.stale(mapped.node_epoch)
         || mapped.hole_in(from, from + len)
         || mapped.dontfork.load(SeqCst);
     match status {
@@ -1549,7 +1558,7 @@ fn op_madvise(w: &Worker, rng: &mut Rng) {
 fn may_fault(sh: &Shared, mapped: Option<&Mapped>, from: usize, len: usize) -> bool {
     mapped.is_none_or(|m| {
         m.buf.may_be_revoked(sh)
-            || m.node_epoch != sh.epoch.load(SeqCst)
+            || sh.stale(m.node_epoch)
             || m.hole_in(from, from + len)
             || from + len > m.len
     })
@@ -1745,7 +1754,7 @@ fn op_revoke(w: &Worker, rng: &mut Rng) {
     drop(dmabuf);
     // ENOENT: no live buffer there (revoked before, or vgpu rebound since).
     let mut allowed = Vec::new();
-    if already || buf.epoch != epoch || epoch != sh.epoch.load(SeqCst) {
+    if already || buf.epoch != epoch || sh.stale(epoch) {
         allowed.extend([Errno::NOENT, Errno::NODEV]);
     }
     sh.check(
