@@ -156,6 +156,8 @@ struct Shared {
     failures: AtomicU64,
     /// Set from the first bump to the second: the GPU is going or coming back.
     chaos: AtomicBool,
+    /// vgpu revocations under way, per worker slot (reset when the worker dies).
+    revoking: [AtomicU64; MAX_WORKERS],
     /// Operations running, per worker slot (reset when the worker dies).
     active: [AtomicU64; MAX_WORKERS],
     counts: [[AtomicU64; OUTCOMES]; 32],
@@ -458,6 +460,7 @@ fn reap(sh: &Shared, workers: &mut [Option<libc::pid_t>]) -> anyhow::Result<()> 
         {
             *pid = None;
             sh.active[slot].store(0, SeqCst);
+            sh.revoking[slot].store(0, SeqCst);
             judge_exit(sh, status, false);
         }
     }
@@ -544,6 +547,15 @@ fn chaos(
         .context("the GPU's driver link")?;
     sh.chaos.store(true, SeqCst);
     sh.epoch.fetch_add(1, SeqCst);
+    fault::wait_until(
+        "vgpu revocations under way to end",
+        Duration::from_secs(60),
+        || {
+            reap(sh, workers)?;
+            Ok(sh.revoking.iter().all(|a| a.load(SeqCst) == 0))
+        },
+    )
+    .with_context(|| format!("{op}: a revocation did not end"))?;
     let mark = fault::kernel_log_mark()?;
     ktap::diag(format_args!(
         "{op} at {:.3} s, epoch {}",
@@ -1743,14 +1755,27 @@ fn op_revoke(w: &Worker, rng: &mut Rng) {
     if dmabuf.is_none() {
         return;
     }
+    // vgpu revokes by offset on the instance bound now: a buffer of an earlier instance would
+    // name another buffer. The main process waits for revocations under way before it
+    // unbinds or unplugs.
+    let revoking = &sh.revoking[w.slot];
+    revoking.fetch_add(1, SeqCst);
+    if sh.stale(buf.epoch) {
+        revoking.fetch_sub(1, SeqCst);
+        return;
+    }
     let already = buf.revoked.swap(true, SeqCst);
     let epoch = sh.epoch.load(SeqCst);
     let path = match common::vgpu_name() {
         Ok(name) => PathBuf::from(format!("/sys/class/vgpu/{name}/revoke")),
-        Err(_) => return,
+        Err(_) => {
+            revoking.fetch_sub(1, SeqCst);
+            return;
+        }
     };
     let got = std::fs::write(&path, buf.bar_off.to_string())
         .map_err(|e| Errno::from_io_error(&e).unwrap_or(Errno::IO));
+    revoking.fetch_sub(1, SeqCst);
     drop(dmabuf);
     // ENOENT: no live buffer there (revoked before, or vgpu rebound since).
     let mut allowed = Vec::new();
