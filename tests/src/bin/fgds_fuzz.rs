@@ -161,6 +161,8 @@ struct Shared {
     /// Operations running, per worker slot (reset when the worker dies).
     active: [AtomicU64; MAX_WORKERS],
     counts: [[AtomicU64; OUTCOMES]; 32],
+    /// Thread time spent in each operation, µs.
+    busy_us: [AtomicU64; 32],
 }
 
 fn shared() -> anyhow::Result<&'static Shared> {
@@ -849,34 +851,35 @@ fn worker_thread(w: &Worker, mut rng: Rng, max_ops: u64) {
     }
 }
 
-/// The operations and their weights: cheap system calls most, I/O next, forks and exits
-/// rarely (a fork costs as much as hundreds of the others under TCG).
 type Op = fn(&Worker, &mut Rng);
 
-const WEIGHTS: &[(Op, u64)] = &[
-    (op_alloc, 40),
-    (op_free_buffer, 15),
-    (|w, r| op_reg(w, r, false), 70),
-    (|w, r| op_reg(w, r, true), 25),
-    (op_reg_invalid, 60),
-    (op_unreg, 55),
-    (op_unreg_invalid, 40),
-    (op_mmap, 80),
-    (op_mmap_invalid, 40),
-    (|w, r| op_munmap(w, r, false), 35),
-    (|w, r| op_munmap(w, r, true), 20),
-    (op_touch, 130),
-    (|w, r| op_in_child(w, r, false), 3),
-    (|w, r| op_in_child(w, r, true), 2),
-    (op_madvise, 60),
-    (|w, r| op_io(w, r, false), 90),
-    (|w, r| op_io(w, r, true), 25),
-    (op_uring, 60),
-    (op_fixed_buffer, 8),
-    (op_close_dmabuf, 20),
-    (|w, _| op_close_node(w), 6),
-    (op_revoke, 30),
+/// The operations (by their names in [`OPS`]) and their weights: cheap system calls most, I/O
+/// next, forks and exits rarely (a fork costs as much as hundreds of the others under TCG).
+const WEIGHTS: &[(&str, Op, u64)] = &[
+    ("alloc", op_alloc, 40),
+    ("free_buffer", op_free_buffer, 15),
+    ("reg", |w, r| op_reg(w, r, false), 70),
+    ("reg_again", |w, r| op_reg(w, r, true), 25),
+    ("reg_invalid", op_reg_invalid, 60),
+    ("unreg", op_unreg, 55),
+    ("unreg_invalid", op_unreg_invalid, 40),
+    ("mmap", op_mmap, 80),
+    ("mmap_invalid", op_mmap_invalid, 40),
+    ("munmap", |w, r| op_munmap(w, r, false), 35),
+    ("munmap_partial", |w, r| op_munmap(w, r, true), 20),
+    ("touch", op_touch, 130),
+    ("fork_exit", |w, r| op_in_child(w, r, false), 3),
+    ("mremap_in_child", |w, r| op_in_child(w, r, true), 2),
+    ("madvise", op_madvise, 60),
+    ("pread", |w, r| op_io(w, r, false), 90),
+    ("pwrite", |w, r| op_io(w, r, true), 25),
+    ("uring_read", op_uring, 60),
+    ("uring_fixed_buffer", op_fixed_buffer, 8),
+    ("close_dmabuf", op_close_dmabuf, 20),
+    ("close_node", |w, _| op_close_node(w), 6),
+    ("revoke", op_revoke, 30),
     (
+        "exit",
         |w, r| {
             // About once a minute per worker at the usual rate.
             if r.chance(50) {
@@ -887,12 +890,16 @@ const WEIGHTS: &[(Op, u64)] = &[
     ),
 ];
 
+/// Draws an operation and runs it; its time goes to its account.
 fn one_op(w: &Worker, rng: &mut Rng) {
-    let total: u64 = WEIGHTS.iter().map(|(_, n)| n).sum();
+    let total: u64 = WEIGHTS.iter().map(|(_, _, n)| n).sum();
     let mut draw = rng.below(total);
-    for (op, n) in WEIGHTS {
+    for (name, op, n) in WEIGHTS {
         if draw < *n {
-            return op(w, rng);
+            let start = Instant::now();
+            op(w, rng);
+            w.sh.busy_us[op_index(name)].fetch_add(start.elapsed().as_micros() as u64, SeqCst);
+            return;
         }
         draw -= n;
     }
@@ -1809,6 +1816,10 @@ fn summary(sh: &Shared, cfg: &Config, elapsed: Duration) -> serde_json::Value {
             if n > 0 {
                 outcomes.insert(outcome_name(o), n.into());
             }
+        }
+        let busy = sh.busy_us[i].load(SeqCst);
+        if busy > 0 {
+            outcomes.insert("busy_s".to_owned(), (busy as f64 * 1e-6).into());
         }
         if !outcomes.is_empty() {
             per_op.insert((*name).to_owned(), outcomes.into());
