@@ -40,6 +40,11 @@ pub struct Options {
     /// fgds's `pages=` parameter (as for test-vm).
     #[arg(long, default_value = "auto", value_parser = vm::FGDS_PAGES)]
     pub fgds_pages: String,
+    /// TCG's host threads (as for test-vm): multi runs the guest's two vCPUs at once, about
+    /// twice the operations per second and truly parallel races, at the price of the rare
+    /// early-boot oops of multi-threaded TCG (docs/architecture.md, Boot flakes).
+    #[arg(long, value_enum, default_value_t = vm::DEFAULT_TCG_THREADS)]
+    pub tcg_threads: vm::TcgThreadsArg,
 }
 
 impl Options {
@@ -54,6 +59,7 @@ impl Options {
             threads: 3,
             chaos: 20,
             fgds_pages: "auto".to_owned(),
+            tcg_threads: vm::DEFAULT_TCG_THREADS,
         }
     }
 }
@@ -92,6 +98,7 @@ pub fn run(opts: &Options) -> anyhow::Result<Vec<Outcome>> {
         append,
         // The fuzzer's own time, then its checks, unbinds and a hang's reports.
         programs: vec![(PROGRAM.to_owned(), opts.minutes * 60 + 600)],
+        tcg_threads: opts.tcg_threads,
         ..vm::Options::for_kernel(&opts.kernel)
     })?;
     let summary = guest_summary(&run.run_dir)?;
