@@ -1699,7 +1699,6 @@ fn uring_reads(
 
 /// IORING_REGISTER_BUFFERS on a mapping: must fail, in every mode.
 fn op_fixed_buffer(w: &Worker, rng: &mut Rng) {
-    let sh = w.sh;
     let region = &w.regions[rng.below(REGIONS as u64) as usize];
     let state = region.state.read().unwrap();
     let Some(mapped) = state.as_ref() else { return };
