@@ -144,7 +144,7 @@ void fgds_buf_free(struct fgds_buf *buf)
 	kfree(buf);
 }
 
-/* Takes @npages off what @uid has registered on @gpu; gpu->lock held. */
+/* Takes @npages off what @uid has registered on @gpu; gpu->bufs_lock held. */
 static void fgds_user_pages_sub(struct fgds_gpu *gpu, unsigned long uid,
 				unsigned long npages)
 {
@@ -158,12 +158,12 @@ static void fgds_user_pages_sub(struct fgds_gpu *gpu, unsigned long uid,
 			 GFP_KERNEL);
 }
 
-/* Drops what a registration counts against its GPU and user; gpu->lock held. */
+/* Drops what a registration counts against its GPU and user; bufs_lock held. */
 static void fgds_buf_unlist(struct fgds_buf *buf)
 {
 	struct fgds_gpu *gpu = buf->gpu;
 
-	lockdep_assert_held(&gpu->lock);
+	lockdep_assert_held(&gpu->bufs_lock);
 	list_del(&buf->gpu_node);
 	buf->listed = false;
 	gpu->nr_bufs--;
@@ -182,10 +182,11 @@ static void fgds_buf_release(struct kref *ref)
 	struct fgds_buf *buf = container_of(ref, struct fgds_buf, ref);
 	struct fgds_gpu *gpu = buf->gpu;
 
-	mutex_lock(&gpu->lock);
+	/* Not gpu->lock: this can run in munmap(), under the mmap lock. */
+	mutex_lock(&gpu->bufs_lock);
 	if (buf->listed)
 		fgds_buf_unlist(buf);
-	mutex_unlock(&gpu->lock);
+	mutex_unlock(&gpu->bufs_lock);
 	fgds_buf_let_go(buf);
 }
 
@@ -372,7 +373,7 @@ static bool fgds_buf_pmd_ok(struct fgds_buf *buf, unsigned int order)
 	return true;
 }
 
-/* The per-user share of the GPU; gpu->lock held. */
+/* The per-user share of the GPU; gpu->bufs_lock held. */
 static int fgds_user_share(struct fgds_buf *buf)
 {
 	struct fgds_gpu *gpu = buf->gpu;
@@ -408,21 +409,22 @@ static int fgds_buf_publish(struct fgds_buf *buf, unsigned long gen)
 					   buf->ext[e].npages);
 	if (ret)
 		goto out;
+	mutex_lock(&gpu->bufs_lock);
 	if (gpu->nr_bytes + buf->size > fgds_max_bytes_per_gpu) {
 		dev_info_ratelimited(&gpu->dev,
 				     "%s: the GPU would have more than max_bytes_per_gpu (%llu) registered\n",
 				     buf->owner, fgds_max_bytes_per_gpu);
 		ret = -ENOSPC;
-		goto out;
+		goto out_bufs;
 	}
 	ret = fgds_user_share(buf);
 	if (ret)
-		goto out;
+		goto out_bufs;
 	ret = fgds_holds_get(gpu, buf->ext, buf->nr_ext);
 	if (ret) {
 		fgds_user_pages_sub(gpu, from_kuid(&init_user_ns, buf->uid),
 				    buf->npages);
-		goto out;
+		goto out_bufs;
 	}
 	buf->holding = true;
 	buf->owned = gpu->mode == FGDS_MODE_P2PDMA ||
@@ -434,6 +436,8 @@ static int fgds_buf_publish(struct fgds_buf *buf, unsigned long gen)
 	buf->listed = true;
 	gpu->nr_bufs++;
 	gpu->nr_bytes += buf->size;
+out_bufs:
+	mutex_unlock(&gpu->bufs_lock);
 out:
 	mutex_unlock(&gpu->lock);
 	return ret;

@@ -87,7 +87,13 @@ struct fgds_geometry {
  * @cdev: the character device, parented to @dev
  * @pdev: the GPU (reference held)
  * @list: entry in the global GPU list (under fgds_lock)
- * @lock: protects the fields below it, up to @holds_lock
+ * @lock: protects the fields below it, up to @holds_lock, except those under
+ *	@bufs_lock; held while the provider is set up or dropped, which
+ *	creates and removes sysfs files (the kernfs lock)
+ * @bufs_lock: protects @bufs, @nr_bufs, @nr_bytes and @user_pages; taken
+ *	when a registration's last reference goes, which can be in munmap()
+ *	under the mmap lock, so never held while anything takes the kernfs
+ *	lock (a readdir of sysfs faults on user memory under it)
  * @geo: the BAR, re-read under the PCI device lock at each provider setup
  *	(GPU drivers resize BARs at probe)
  * @dead: the GPU is being removed; nothing new may start
@@ -135,6 +141,7 @@ struct fgds_gpu {
 	enum fgds_mode mode;
 	int refused;
 	unsigned long gen;
+	struct mutex bufs_lock; /* see the kernel-doc above */
 	struct list_head bufs;
 	unsigned long nr_bufs;
 	u64 nr_bytes;

@@ -912,9 +912,9 @@ static ssize_t buffers_show(struct device *dev, struct device_attribute *attr,
 	struct fgds_gpu *gpu = dev_get_drvdata(dev);
 	unsigned long n;
 
-	mutex_lock(&gpu->lock);
+	mutex_lock(&gpu->bufs_lock);
 	n = gpu->nr_bufs;
-	mutex_unlock(&gpu->lock);
+	mutex_unlock(&gpu->bufs_lock);
 	return sysfs_emit(buf, "%lu\n", n);
 }
 static DEVICE_ATTR_RO(buffers);
@@ -925,9 +925,9 @@ static ssize_t bytes_show(struct device *dev, struct device_attribute *attr,
 	struct fgds_gpu *gpu = dev_get_drvdata(dev);
 	u64 n;
 
-	mutex_lock(&gpu->lock);
+	mutex_lock(&gpu->bufs_lock);
 	n = gpu->nr_bytes;
-	mutex_unlock(&gpu->lock);
+	mutex_unlock(&gpu->bufs_lock);
 	return sysfs_emit(buf, "%llu\n", n);
 }
 static DEVICE_ATTR_RO(bytes);

@@ -200,6 +200,7 @@ static void fgds_gpu_release(struct device *dev)
 	xa_destroy(&gpu->holds);
 	xa_destroy(&gpu->user_pages);
 	mutex_destroy(&gpu->holds_lock);
+	mutex_destroy(&gpu->bufs_lock);
 	mutex_destroy(&gpu->lock);
 	ida_free(&fgds_minors, MINOR(dev->devt));
 	pci_dev_put(gpu->pdev);
@@ -245,6 +246,7 @@ static void fgds_gpu_add(struct pci_dev *pdev, bool quiet)
 	gpu->geo.bus = pci_bus_address(pdev, bar);
 	gpu->geo.len = pci_resource_len(pdev, bar);
 	mutex_init(&gpu->lock);
+	mutex_init(&gpu->bufs_lock);
 	INIT_LIST_HEAD(&gpu->bufs);
 	xa_init(&gpu->user_pages);
 	mutex_init(&gpu->holds_lock);

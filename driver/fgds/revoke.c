@@ -38,8 +38,11 @@
  * unloaded from under it; the cleanup work drops it, on fgds's own workqueue,
  * which module exit flushes.
  *
- * Lock order: fgds_lock -> PCI device_lock -> gpu->lock -> dmabuf->resv ->
- * buf->lock -> i_mmap_rwsem (zap) -> gpu->holds_lock -> gpu->pending_lock.
+ * Lock order: fgds_lock -> PCI device_lock -> gpu->lock -> gpu->bufs_lock ->
+ * dmabuf->resv -> buf->lock -> i_mmap_rwsem (zap) -> gpu->holds_lock ->
+ * gpu->pending_lock. The mmap lock comes before gpu->bufs_lock (a
+ * registration's last reference can go in munmap()) and never before
+ * gpu->lock, which is held while the provider's sysfs files come and go.
  */
 
 #include <linux/delay.h>
@@ -589,8 +592,10 @@ void fgds_gpu_teardown(struct fgds_gpu *gpu)
 	}
 	gpu->tearing = true;
 	gpu->gen++;
+	mutex_lock(&gpu->bufs_lock);
 	list_for_each_entry(buf, &gpu->bufs, gpu_node)
 		fgds_buf_revoke(buf);
+	mutex_unlock(&gpu->bufs_lock);
 	mutex_unlock(&gpu->lock);
 
 	fgds_gpu_wait_unheld(gpu);

@@ -142,6 +142,27 @@ impl Map {
         Ok(Map { ptr: p.cast(), len })
     }
 
+    /// A private anonymous mapping, never touched.
+    pub fn anonymous(len: usize) -> anyhow::Result<Map> {
+        // SAFETY: a new mapping at an address the kernel picks aliases no Rust object.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        anyhow::ensure!(
+            p != libc::MAP_FAILED,
+            "mmap: {}",
+            std::io::Error::last_os_error()
+        );
+        Ok(Map { ptr: p.cast(), len })
+    }
+
     pub fn shared(node: &File, idx: u64, len: usize) -> anyhow::Result<Map> {
         Map::new(node, idx, len, libc::MAP_SHARED).map_err(|e| anyhow::anyhow!("mmap: {e}"))
     }

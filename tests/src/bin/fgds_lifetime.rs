@@ -62,7 +62,49 @@ fn main() {
             name: "module_unload_refused_while_open",
             run: module_unload_refused,
         },
+        Case {
+            name: "munmap_then_sysfs_readdir_is_no_lock_cycle",
+            run: munmap_then_sysfs_readdir,
+        },
     ])
+}
+
+/// Found by the fuzzer (docs/fuzzing.md), a lockdep cycle on the debug kernels: the last
+/// reference of a registration going in munmap() took `gpu->lock` under the mmap lock,
+/// `gpu->lock` was held while the provider set up (creating the P2PDMA sysfs files: the kernfs
+/// lock), and a readdir of sysfs takes the kernfs lock, then faults on the user's buffer (the
+/// mmap lock). Each step here makes one edge; lockdep, where the kernel has it, reports the
+/// cycle as a splat, which fails the program.
+fn munmap_then_sysfs_readdir() -> CaseResult {
+    // The provider is set up by the first open since the GPU's driver bound: done by now.
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let len = 2 * MIB;
+    let (dmabuf, _) = common::alloc(&vgpu, len)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    let map = Map::shared(&node, idx, len as usize)?;
+    common::unreg(&node, idx)?;
+    // The mapping holds the last reference: munmap() releases the registration.
+    drop(map);
+    wait_buffers(0)?;
+    // getdents64 of a sysfs directory into memory never touched: filldir faults.
+    let dir = std::fs::File::open("/sys/class/fgds")?;
+    let fresh = Map::anonymous(64 * 1024)?;
+    // SAFETY: the kernel writes at most the given length into our fresh mapping.
+    let n = unsafe {
+        libc::syscall(
+            libc::SYS_getdents64,
+            std::os::fd::AsRawFd::as_raw_fd(&dir),
+            fresh.ptr,
+            fresh.len,
+        )
+    };
+    ensure!(
+        n > 0,
+        "getdents64 of /sys/class/fgds: {}",
+        std::io::Error::last_os_error()
+    );
+    ktap::pass()
 }
 
 /// Waits until sysfs `buffers` drops to `want` (releases may finish just after close).
