@@ -87,16 +87,23 @@ fn munmap_then_sysfs_readdir() -> CaseResult {
     // The mapping holds the last reference: munmap() releases the registration.
     drop(map);
     wait_buffers(0)?;
-    // getdents64 of a sysfs directory into memory never touched: filldir faults.
+    // getdents64 of a sysfs directory whose first entries past "." and ".." (24 bytes each,
+    // written before kernfs takes its lock) land on a page never touched: filldir faults with
+    // the kernfs lock held.
     let dir = std::fs::File::open("/sys/class/fgds")?;
-    let fresh = Map::anonymous(64 * 1024)?;
-    // SAFETY: the kernel writes at most the given length into our fresh mapping.
+    let two = Map::anonymous(2 * common::PAGE as usize)?;
+    let first_page_end = two.at(common::PAGE as usize);
+    // SAFETY: the last byte of the first page of our mapping: it is faulted in now.
+    unsafe { first_page_end.sub(1).write_volatile(0) };
+    // SAFETY: 48 bytes before the end of the first page, inside our mapping.
+    let at = unsafe { first_page_end.sub(48) };
+    // SAFETY: the kernel writes at most PAGE + 48 bytes from `at`, the rest of our mapping.
     let n = unsafe {
         libc::syscall(
             libc::SYS_getdents64,
             std::os::fd::AsRawFd::as_raw_fd(&dir),
-            fresh.ptr,
-            fresh.len,
+            at,
+            common::PAGE as usize + 48,
         )
     };
     ensure!(
