@@ -73,7 +73,8 @@ fn main() {
 /// reference of a registration going in munmap() took `gpu->lock` under the mmap lock,
 /// `gpu->lock` was held while the provider set up (creating the P2PDMA sysfs files: the kernfs
 /// lock), and a readdir of sysfs takes the kernfs lock, then faults on the user's buffer (the
-/// mmap lock). Each step here makes one edge; lockdep, where the kernel has it, reports the
+/// mmap lock, when contended). Each step here makes one edge (the provider's setup is this
+/// program's after `exporter_unbind_and_rebind`); lockdep, where the kernel has it, reports the
 /// cycle as a splat, which fails the program.
 fn munmap_then_sysfs_readdir() -> CaseResult {
     // The provider is set up by the first open since the GPU's driver bound: done by now.
@@ -89,28 +90,50 @@ fn munmap_then_sysfs_readdir() -> CaseResult {
     wait_buffers(0)?;
     // getdents64 of a sysfs directory whose first entries past "." and ".." (24 bytes each,
     // written before kernfs takes its lock) land on a page never touched: filldir faults with
-    // the kernfs lock held.
+    // the kernfs lock held. The fault takes the mmap lock with a trylock first (no lockdep
+    // edge) and waits for it only when it is contended: a thread keeps it busy meanwhile.
     let dir = std::fs::File::open("/sys/class/fgds")?;
-    let two = Map::anonymous(2 * common::PAGE as usize)?;
-    let first_page_end = two.at(common::PAGE as usize);
-    // SAFETY: the last byte of the first page of our mapping: it is faulted in now.
-    unsafe { first_page_end.sub(1).write_volatile(0) };
-    // SAFETY: 48 bytes before the end of the first page, inside our mapping.
-    let at = unsafe { first_page_end.sub(48) };
-    // SAFETY: the kernel writes at most PAGE + 48 bytes from `at`, the rest of our mapping.
-    let n = unsafe {
-        libc::syscall(
-            libc::SYS_getdents64,
-            std::os::fd::AsRawFd::as_raw_fd(&dir),
-            at,
-            common::PAGE as usize + 48,
-        )
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                drop(Map::anonymous(common::PAGE as usize));
+            }
+        })
     };
-    ensure!(
-        n > 0,
-        "getdents64 of /sys/class/fgds: {}",
-        std::io::Error::last_os_error()
-    );
+    let result = (|| -> anyhow::Result<()> {
+        for _ in 0..300 {
+            let two = Map::anonymous(2 * common::PAGE as usize)?;
+            let first_page_end = two.at(common::PAGE as usize);
+            // SAFETY: the last byte of the first page of our mapping: it is faulted in now.
+            unsafe { first_page_end.sub(1).write_volatile(0) };
+            // SAFETY: 48 bytes before the end of the first page, inside our mapping.
+            let at = unsafe { first_page_end.sub(48) };
+            rustix::fs::seek(&dir, rustix::fs::SeekFrom::Start(0))?;
+            // SAFETY: the kernel writes at most PAGE + 48 bytes from `at`, the rest of our
+            // mapping.
+            let n = unsafe {
+                libc::syscall(
+                    libc::SYS_getdents64,
+                    std::os::fd::AsRawFd::as_raw_fd(&dir),
+                    at,
+                    common::PAGE as usize + 48,
+                )
+            };
+            ensure!(
+                n > 0,
+                "getdents64 of /sys/class/fgds: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        Ok(())
+    })();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer
+        .join()
+        .map_err(|_| anyhow::anyhow!("the mmap thread panicked"))?;
+    result?;
     ktap::pass()
 }
 
