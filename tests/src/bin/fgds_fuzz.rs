@@ -92,41 +92,12 @@ const MAX_ERRNO: usize = 140;
 const OUTCOMES: usize = 4 + MAX_ERRNO;
 
 fn outcome_name(i: usize) -> String {
-    const NAMES: &[(i32, &str)] = &[
-        (libc::EPERM, "EPERM"),
-        (libc::ENOENT, "ENOENT"),
-        (libc::EINTR, "EINTR"),
-        (libc::EIO, "EIO"),
-        (libc::ENXIO, "ENXIO"),
-        (libc::EBADF, "EBADF"),
-        (libc::EAGAIN, "EAGAIN"),
-        (libc::ENOMEM, "ENOMEM"),
-        (libc::EACCES, "EACCES"),
-        (libc::EFAULT, "EFAULT"),
-        (libc::EBUSY, "EBUSY"),
-        (libc::ENODEV, "ENODEV"),
-        (libc::EINVAL, "EINVAL"),
-        (libc::EMFILE, "EMFILE"),
-        (libc::ENOTTY, "ENOTTY"),
-        (libc::ENOSPC, "ENOSPC"),
-        (libc::ENODATA, "ENODATA"),
-        (libc::EOVERFLOW, "EOVERFLOW"),
-        (libc::EOPNOTSUPP, "EOPNOTSUPP"),
-        (libc::ETIMEDOUT, "ETIMEDOUT"),
-        (libc::EREMOTEIO, "EREMOTEIO"),
-    ];
     match i {
         OK => "ok".into(),
         SHORT => "short".into(),
         SIGBUS => "SIGBUS".into(),
         SIGSEGV => "SIGSEGV".into(),
-        e => {
-            let raw = (e - 4 + 1) as i32;
-            NAMES
-                .iter()
-                .find(|(n, _)| *n == raw)
-                .map_or_else(|| format!("errno {raw}"), |(_, name)| (*name).to_owned())
-        }
+        e => fgds_tests::errno::name((e - 4 + 1) as i32),
     }
 }
 

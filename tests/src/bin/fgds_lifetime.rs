@@ -77,7 +77,8 @@ fn main() {
 /// program's after `exporter_unbind_and_rebind`); lockdep, where the kernel has it, reports the
 /// cycle as a splat, which fails the program.
 fn munmap_then_sysfs_readdir() -> CaseResult {
-    // The provider is set up by the first open since the GPU's driver bound: done by now.
+    // The first open since exporter_unbind_and_rebind bound vgpu again sets the provider up
+    // (P2PDMA pages: fgds creates the GPU's P2PDMA state, its sysfs group with it).
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let len = 2 * MIB;
