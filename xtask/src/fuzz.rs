@@ -156,7 +156,10 @@ fn print_summary(s: &Value) {
                 .as_object()
                 .into_iter()
                 .flatten()
-                .map(|(o, n)| format!("{o} {n}"))
+                .map(|(o, n)| match n.as_f64() {
+                    Some(s) if o == "busy_s" => format!("{o} {s:.0}"),
+                    _ => format!("{o} {n}"),
+                })
                 .collect();
             println!("  {op:<20} {}", cells.join(", "));
         }
