@@ -27,6 +27,7 @@ mod common;
 #[path = "../fgds_fault_common.rs"]
 mod fault;
 
+use std::collections::HashSet;
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::PathBuf;
@@ -359,13 +360,15 @@ fn fuzz() -> CaseResult {
     let mut rng = Rng(cfg.seed ^ 0x6d61_696e);
     let mut generation = 0u64;
     let mut workers: Vec<Option<libc::pid_t>> = vec![None; cfg.workers];
+    // The workers this process killed: their SIGKILL is no failure.
+    let mut killed = HashSet::new();
     let started = Instant::now();
     let deadline = started + Duration::from_secs(cfg.seconds);
     let mut next_chaos = next_event(&mut rng, cfg.chaos);
     let mut next_kill = next_event(&mut rng, cfg.chaos);
     let mut chaos_error = None;
     while Instant::now() < deadline && !sh.stop.load(SeqCst) {
-        reap(sh, &mut workers)?;
+        reap(sh, &mut workers, &killed)?;
         for (slot, pid) in workers.iter_mut().enumerate() {
             if pid.is_none() {
                 generation += 1;
@@ -375,7 +378,7 @@ fn fuzz() -> CaseResult {
         let now = started.elapsed();
         if next_chaos.is_some_and(|t| now >= t) {
             let unplug = rng.chance(400);
-            if let Err(err) = chaos(sh, unplug, &mut guards, &ranges, &mut workers) {
+            if let Err(err) = chaos(sh, unplug, &mut guards, &ranges, &mut workers, &killed) {
                 chaos_error = Some(err);
                 break;
             }
@@ -386,6 +389,7 @@ fn fuzz() -> CaseResult {
             if let Some(p) = workers[slot] {
                 // SAFETY: kill(2) of our own child.
                 unsafe { libc::kill(p, libc::SIGKILL) };
+                killed.insert(p);
                 sh.count("kill_worker", OK);
             }
             next_kill = next_event(&mut rng, cfg.chaos).map(|d| d + started.elapsed());
@@ -398,7 +402,7 @@ fn fuzz() -> CaseResult {
     for (slot, pid) in workers.iter().enumerate() {
         let Some(p) = *pid else { continue };
         match wait_deadline(p, Duration::from_secs(60))? {
-            Some(status) => judge_exit(sh, status, true),
+            Some(status) => judge_exit(sh, status, killed.contains(&p)),
             None => {
                 hung.push(format!(
                     "worker {slot} (pid {p}) still runs 60 s after the stop: {}",
@@ -426,7 +430,11 @@ fn fuzz() -> CaseResult {
 }
 
 /// Waits for the workers that ended, judges their ends, and clears their slots and counts.
-fn reap(sh: &Shared, workers: &mut [Option<libc::pid_t>]) -> anyhow::Result<()> {
+fn reap(
+    sh: &Shared,
+    workers: &mut [Option<libc::pid_t>],
+    killed: &HashSet<libc::pid_t>,
+) -> anyhow::Result<()> {
     for (slot, pid) in workers.iter_mut().enumerate() {
         if let Some(p) = *pid
             && let Some(status) = try_wait(p)?
@@ -434,7 +442,7 @@ fn reap(sh: &Shared, workers: &mut [Option<libc::pid_t>]) -> anyhow::Result<()> 
             *pid = None;
             sh.active[slot].store(0, SeqCst);
             sh.revoking[slot].store(0, SeqCst);
-            judge_exit(sh, status, false);
+            judge_exit(sh, status, killed.contains(&p));
         }
     }
     Ok(())
@@ -447,13 +455,13 @@ fn next_event(rng: &mut Rng, every: u64) -> Option<Duration> {
 
 const EXIT_RESPAWN: i32 = 77;
 
-/// A worker's end: a deliberate exit, a kill by the fuzzer (before the stop), or the end of the
-/// run are fine; anything else (a panic, a signal) is a failure.
-fn judge_exit(sh: &Shared, status: i32, stopping: bool) {
+/// A worker's end: a deliberate exit, the fuzzer's own SIGKILL, or the end of the run are fine;
+/// anything else (a panic, another signal) is a failure.
+fn judge_exit(sh: &Shared, status: i32, killed: bool) {
     match status {
         0 => {}
         EXIT_RESPAWN => {}
-        s if s == 128 + libc::SIGKILL && !stopping => {}
+        s if s == 128 + libc::SIGKILL && killed => {}
         s => sh.fail(
             "exit",
             format_args!("a worker ended with status {s} (128 + signal, or its exit code)"),
@@ -508,6 +516,7 @@ fn chaos(
     guards: &mut Option<Guards>,
     ranges: &[(u64, u64)],
     workers: &mut [Option<libc::pid_t>],
+    killed: &HashSet<libc::pid_t>,
 ) -> anyhow::Result<()> {
     let op = if unplug {
         "unplug_replug"
@@ -524,7 +533,7 @@ fn chaos(
         "vgpu revocations under way to end",
         Duration::from_secs(60),
         || {
-            reap(sh, workers)?;
+            reap(sh, workers, killed)?;
             Ok(sh.revoking.iter().all(|a| a.load(SeqCst) == 0))
         },
     )
@@ -557,7 +566,7 @@ fn chaos(
         Duration::from_secs(60),
         || {
             // A worker that ended meanwhile left its count behind.
-            reap(sh, workers)?;
+            reap(sh, workers, killed)?;
             Ok(sh.active.iter().all(|a| a.load(SeqCst) == 0))
         },
     );
@@ -1492,8 +1501,14 @@ fn op_in_child(w: &Worker, rng: &mut Rng, mremap: bool) {
             sh.check(op, Err(e), allowed, "in the child: a read into the mapping");
         }
         10..100 => {
+            // Another thread's advice may have split the mapping while the child forked.
             let e = Errno::from_raw_os_error(status - 10);
-            sh.check(op, Err(e), &[], "in the child: mremap of its mapping");
+            let allowed: &[Errno] = if mapped.split.load(SeqCst) || mapped.dontfork.load(SeqCst) {
+                &[Errno::FAULT]
+            } else {
+                &[]
+            };
+            sh.check(op, Err(e), allowed, "in the child: mremap of its mapping");
         }
         s => judge_access(sh, op, s, mapped, from, from + len),
     }
