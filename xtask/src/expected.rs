@@ -347,7 +347,7 @@ impl RunConfig {
                 kernel.config.display()
             )
         })?;
-        let configs = String::from_utf8_lossy(&text)
+        let configs: BTreeSet<String> = String::from_utf8_lossy(&text)
             .lines()
             .filter_map(|l| {
                 let (option, value) = l.split_once('=')?;
@@ -357,7 +357,6 @@ impl RunConfig {
         Ok(RunConfig {
             kernel: kernel.spec.clone(),
             series: series(&kernel.release)?,
-            configs,
             pages: match pages {
                 "auto" => Pages::Auto,
                 "p2pdma" => Pages::P2pdma,
@@ -367,8 +366,13 @@ impl RunConfig {
             vgpu_mode: match vgpu_mode {
                 "plain" => VgpuMode::Plain,
                 "p2pdma" => VgpuMode::P2pdma,
-                other => anyhow::bail!("--vgpu-mode {other}: use plain or p2pdma"),
+                // The benchmark's default: P2PDMA pages of vgpu's own, published, where the
+                // kernel has them, so that upstream's p2pmem runs beside fgds on the same pages.
+                "auto" if configs.contains("CONFIG_PCI_P2PDMA") => VgpuMode::P2pdma,
+                "auto" => VgpuMode::Plain,
+                other => anyhow::bail!("--vgpu-mode {other}: use plain, p2pdma or auto"),
             },
+            configs,
             iommu,
             exporter: match exporter {
                 "vgpu" => Exporter::Vgpu,

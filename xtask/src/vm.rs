@@ -37,8 +37,10 @@ pub struct Options {
     /// 4 skips, anything else fails; KTAP lines it prints are reported as subtests.
     #[arg(long = "exec", value_name = "PATH")]
     pub exec: Vec<PathBuf>,
-    /// The vgpu exporter's mode: plain (no struct pages, like VRAM) or p2pdma.
-    #[arg(long, default_value = "plain")]
+    /// The vgpu exporter's mode: plain (no struct pages, like VRAM), p2pdma (P2PDMA pages of
+    /// its own, published for upstream's p2pmem), or auto (p2pdma where the kernel has
+    /// CONFIG_PCI_P2PDMA, else plain).
+    #[arg(long, default_value = "plain", value_parser = ["plain", "p2pdma", "auto"])]
     pub vgpu_mode: String,
     /// fgds's `pages=` parameter: which pages it creates over the GPU's BAR (auto: P2PDMA
     /// wherever the kernel has CONFIG_PCI_P2PDMA, GENERIC only on kernels without it and only
@@ -321,7 +323,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
             .filter(|(_, name)| !(vfio && **name == "vgpu"))
             .map(|(ko, name)| guest::RigModule {
                 ko: ko.clone(),
-                params: module_params(name, opts),
+                params: module_params(name, opts, run_config.vgpu_mode),
             })
             .collect::<Vec<_>>();
         let env = [
@@ -543,11 +545,11 @@ fn nvme_errors() -> Vec<machine::InjectError> {
     .collect()
 }
 
-fn module_params(name: &str, opts: &Options) -> String {
+fn module_params(name: &str, opts: &Options, vgpu_mode: expected::VgpuMode) -> String {
     match name {
         // Published P2PDMA memory gives `fgds bench` its upstream `p2pmem` mode to compare.
-        "vgpu" if opts.vgpu_mode == "p2pdma" => "mode=p2pdma publish=1".to_owned(),
-        "vgpu" => format!("mode={}", opts.vgpu_mode),
+        "vgpu" if vgpu_mode == expected::VgpuMode::P2pdma => "mode=p2pdma publish=1".to_owned(),
+        "vgpu" => "mode=plain".to_owned(),
         "fgds" => format!("devices=@ivshmem@ pages={}", opts.fgds_pages),
         _ => String::new(),
     }

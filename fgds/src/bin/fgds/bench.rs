@@ -5,9 +5,15 @@
 //! (the JSON's `cpu_clock` says which clock; see [`CpuSource`]).
 //!
 //! Modes:
-//! - `ram`: into (or out of) a RAM buffer: the drive's ceiling;
+//! - `ram`: into (or out of) RAM as a reader that wants the drive's best has it: 2 MiB aligned,
+//!   transparent huge pages asked for (`MADV_HUGEPAGE`), touched, and an io_uring fixed buffer
+//!   where the kernel takes one: the drive's ceiling;
 //! - `direct`: into a GPU buffer registered with fgds;
-//! - `bounce`: into RAM, then a CPU copy into the GPU through the exporter's own mapping;
+//! - `bounce`: what a loader without GPU-direct I/O does (cuFile's compatibility mode): reads
+//!   into RAM staging like `ram`'s (pinned as a fixed buffer), then the fastest CPU copy into
+//!   the GPU through the exporter's own mapping (`memcpy` or non-temporal stores, whichever
+//!   copies faster at start-up), the copy of one slot overlapping the reads of the others: a
+//!   slot more than the queue depth, so that the next read is in flight while a slot is copied;
 //! - `p2pmem`: into upstream P2PDMA memory, `/sys/bus/pci/devices/<bdf>/p2pmem/allocate`.
 
 use std::fs::File;
@@ -141,8 +147,6 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         bail!("block size, queue depth, threads and repeat must be non-zero");
     }
     let file = fgds::open_direct(&file_path, write)?;
-    let region = region_len(opts);
-    let buffer_len = region * opts.threads;
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
         .unwrap_or_default()
         .trim()
@@ -154,7 +158,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let mut runs = Vec::new();
     for mode in &modes {
-        let target = match make_target(mode, opts, buffer_len) {
+        let region = region_len(opts, slot_count(opts, mode == "bounce"));
+        let target = match make_target(mode, opts, region * opts.threads, write) {
             Ok(target) => target,
             Err(reason) => {
                 eprintln!("bench: {mode}: skipped: {reason:#}");
@@ -174,8 +179,10 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         runs.push(ModeRun {
             mode: mode.clone(),
             target,
+            region,
             rings,
             fixed,
+            ready: vec![None; opts.threads],
             samples: Vec::new(),
         });
     }
@@ -222,6 +229,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     let mut ram_turns = None;
     for run in runs {
         release_rings(&run.rings);
+        let details = run.target.details();
         let ModeRun {
             mode,
             samples,
@@ -259,7 +267,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         if mode == "ram" {
             ram_turns = Some(turn_mib_s.clone());
         }
-        rows.push(serde_json::json!({
+        let mut row = serde_json::json!({
             "kernel": kernel,
             "mode": mode,
             "op": opts.op,
@@ -286,7 +294,11 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "ratio_to_ram": ram_turns.as_deref().and_then(|r| paired_ratio(&turn_mib_s, r)),
             "fixed_buffers": fixed.is_ok(),
             "fixed_buffers_refused": fixed.err(),
-        }));
+        });
+        if let (Some(row), serde_json::Value::Object(details)) = (row.as_object_mut(), details) {
+            row.extend(details);
+        }
+        rows.push(row);
     }
     if opts.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -327,8 +339,12 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
 struct ModeRun {
     mode: String,
     target: Target,
+    /// Bytes of the target each thread's requests cycle through.
+    region: usize,
     rings: Vec<IoUring>,
     fixed: Result<(), String>,
+    /// `bounce` writes: per thread, the staging slot already holding the next request's data.
+    ready: Vec<Option<usize>>,
     samples: Vec<Sample>,
 }
 
@@ -348,11 +364,12 @@ enum Target {
 }
 
 /// How `bounce` copies between RAM and the GPU: through the exporter's CPU mapping of the
-/// dma-buf, or with CUDA's copies from RAM it pinned (as a CUDA program's loader would; a
-/// CUDA dma-buf has no CPU mapping, and this needs no fgds).
+/// dma-buf with the faster of two CPU copies, or with CUDA's copies from RAM it pinned (as a
+/// CUDA program's loader would; a CUDA dma-buf has no CPU mapping, and this needs no fgds).
 enum BounceCopy {
     Mapping {
         map: CpuMapping,
+        copy: CpuCopy,
         _dmabuf: crate::Dmabuf,
     },
     Cuda {
@@ -367,6 +384,22 @@ impl Target {
         match self {
             Target::Ram(a) | Target::P2pmem(a) | Target::Bounce { ram: a, .. } => a.ptr,
             Target::Direct { buffer, .. } => buffer.as_ptr(),
+        }
+    }
+
+    /// What the JSON row says of the mode's memory: how much of the RAM is in huge pages, and
+    /// which copy `bounce` makes.
+    fn details(&self) -> serde_json::Value {
+        match self {
+            Target::Ram(ram) => serde_json::json!({"huge_page_fraction": ram.huge_page_fraction()}),
+            Target::Bounce { gpu, ram } => serde_json::json!({
+                "huge_page_fraction": ram.huge_page_fraction(),
+                "bounce_copy": match gpu {
+                    BounceCopy::Mapping { copy, .. } => copy.name(),
+                    BounceCopy::Cuda { .. } => "cuda",
+                },
+            }),
+            Target::Direct { .. } | Target::P2pmem(_) => serde_json::json!({}),
         }
     }
 }
@@ -387,28 +420,79 @@ impl Drop for Anon {
     }
 }
 
-fn anon(len: usize) -> anyhow::Result<Anon> {
+impl Anon {
+    /// The share of the mapping the kernel backs with transparent huge pages
+    /// (`AnonHugePages` of its entry in /proc/self/smaps), or None where that cannot be read.
+    fn huge_page_fraction(&self) -> Option<f64> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let start = format!("{:x}-", self.ptr as usize);
+        let entry = smaps
+            .split_inclusive('\n')
+            .skip_while(|l| !l.starts_with(&start));
+        let kib = entry
+            .skip(1)
+            .take_while(|l| {
+                l.split_whitespace()
+                    .next()
+                    .is_some_and(|k| k.ends_with(':'))
+            })
+            .find_map(|l| l.strip_prefix("AnonHugePages:"))?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse::<u64>()
+            .ok()?;
+        Some((kib << 10) as f64 / self.len as f64)
+    }
+}
+
+/// Transparent huge pages are 2 MiB on x86-64 and on arm64 with 4 KiB pages.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// RAM as a reader who wants the drive's best has it: a private anonymous mapping of `len`
+/// bytes rounded up to 2 MiB, at a 2 MiB aligned address, with transparent huge pages asked
+/// for and every page touched, so that neither page faults nor 4 KiB pages are measured.
+fn ram(len: usize) -> anyhow::Result<Anon> {
+    let len = len.next_multiple_of(HUGE_PAGE);
+    let reserve = len + HUGE_PAGE;
     // SAFETY: a new private anonymous mapping aliases nothing.
-    let ptr = unsafe {
+    let base = unsafe {
         rustix::mm::mmap_anonymous(
             std::ptr::null_mut(),
-            len,
+            reserve,
             rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
             rustix::mm::MapFlags::PRIVATE,
         )
-    }?;
-    // Touch it so that page faults are not part of the measurement.
-    // SAFETY: the mapping is `len` bytes and writable.
-    unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
-    Ok(Anon {
-        ptr: ptr.cast(),
+    }? as usize;
+    let start = base.next_multiple_of(HUGE_PAGE);
+    // SAFETY: the head and tail cut off lie inside the mapping just made, which nothing uses.
+    unsafe {
+        if start > base {
+            rustix::mm::munmap(base as *mut _, start - base)?;
+        }
+        if base + reserve > start + len {
+            rustix::mm::munmap((start + len) as *mut _, base + reserve - start - len)?;
+        }
+    }
+    let ram = Anon {
+        ptr: start as *mut u8,
         len,
-    })
+    };
+    // Without THP support the advice fails, and the row's `huge_page_fraction` says so.
+    // SAFETY: advice on this value's own mapping, which nothing else uses.
+    let advised =
+        unsafe { rustix::mm::madvise(ram.ptr.cast(), len, rustix::mm::Advice::LinuxHugepage) };
+    if let Err(err) = advised {
+        eprintln!("bench: MADV_HUGEPAGE refused ({err}): RAM in 4 KiB pages");
+    }
+    // SAFETY: the mapping is `len` bytes and writable.
+    unsafe { std::ptr::write_bytes(ram.ptr, 0, len) };
+    Ok(ram)
 }
 
-fn make_target(mode: &str, opts: &Options, len: usize) -> anyhow::Result<Target> {
+fn make_target(mode: &str, opts: &Options, len: usize, write: bool) -> anyhow::Result<Target> {
     match mode {
-        "ram" => Ok(Target::Ram(anon(len)?)),
+        "ram" => Ok(Target::Ram(ram(len)?)),
         "direct" => {
             let (gpu, dmabuf) = crate::resolve(&opts.source, len as u64)?;
             Ok(Target::Direct {
@@ -417,22 +501,24 @@ fn make_target(mode: &str, opts: &Options, len: usize) -> anyhow::Result<Target>
             })
         }
         "bounce" => {
-            let ram = anon(len)?;
+            let ram = ram(len)?;
             let gpu = match opts.source.cuda {
                 Some(ordinal) => {
                     let device = fgds::cuda::Cuda::load()?.device(ordinal)?;
                     BounceCopy::Cuda {
                         // SAFETY: `ram` is a live mapping of `len` bytes, and the
                         // registration is dropped before it (field order of `Target::Bounce`).
-                        _pinned: unsafe { device.register_host(ram.ptr, len) }?,
+                        _pinned: unsafe { device.register_host(ram.ptr, ram.len) }?,
                         memory: device.alloc(len as u64)?,
                     }
                 }
                 None => {
                     let (_, dmabuf) = crate::resolve(&opts.source, len as u64)?;
+                    let map = CpuMapping::new(dmabuf.fd(), len)
+                        .context("the exporter's CPU mapping of the dma-buf")?;
                     BounceCopy::Mapping {
-                        map: CpuMapping::new(dmabuf.fd(), len)
-                            .context("the exporter's CPU mapping of the dma-buf")?,
+                        copy: fastest_copy(&map, &ram, !write),
+                        map,
                         _dmabuf: dmabuf,
                     }
                 }
@@ -490,10 +576,17 @@ fn p2pmem(opts: &Options, len: usize) -> anyhow::Result<Anon> {
 /// benchmark does not care what the data is), so that they fit a GPU's BAR.
 const MAX_REGION: usize = 128 << 20;
 
-/// Bytes of target memory per thread: one slot per request in flight, up to [`MAX_REGION`].
-fn region_len(opts: &Options) -> usize {
+/// Slots of a thread's region: one per request in flight, and for `bounce` one more, which a
+/// read goes into while a completed slot is copied (or, writing, which is filled for the next
+/// request while the others are in flight).
+fn slot_count(opts: &Options, bounce: bool) -> usize {
+    opts.queue_depth + usize::from(bounce)
+}
+
+/// Bytes of target memory per thread: one block per slot, up to [`MAX_REGION`].
+fn region_len(opts: &Options, slots: usize) -> usize {
     let bs = opts.block_size;
-    (bs * opts.queue_depth).min(MAX_REGION.max(bs)) / bs * bs
+    (bs * slots).min(MAX_REGION.max(bs)) / bs * bs
 }
 
 /// Where slot `slot` lies in a thread's region.
@@ -687,7 +780,7 @@ fn run_turn(
     clock: CpuSource,
     sample: &mut Sample,
 ) -> anyhow::Result<()> {
-    let region = region_len(opts);
+    let region = run.region;
     let per_thread = opts.total / (opts.threads * turns) as u64;
     let fixed = run.fixed.is_ok();
     let target = &run.target;
@@ -700,24 +793,22 @@ fn run_turn(
         let handles = run
             .rings
             .iter_mut()
+            .zip(run.ready.iter_mut())
             .enumerate()
-            .map(|(t, ring)| {
-                let base = target.io_ptr() as usize + t * region;
-                scope.spawn(move || {
-                    thread_io(
-                        target,
-                        ring,
-                        fixed,
-                        base,
-                        t * region,
-                        file,
-                        opts,
-                        write,
-                        per_thread,
-                        deadline,
-                        t as u64,
-                    )
-                })
+            .map(|(t, (ring, ready))| {
+                let thread = ThreadIo {
+                    target,
+                    fixed,
+                    region,
+                    region_offset: t * region,
+                    file,
+                    opts,
+                    write,
+                    bytes: per_thread,
+                    deadline,
+                    thread: t as u64,
+                };
+                scope.spawn(move || thread_io(&thread, ring, ready))
             })
             .collect::<Vec<_>>();
         let mut all = Vec::new();
@@ -765,66 +856,126 @@ fn paired_ratio(a: &[f64], b: &[f64]) -> Option<f64> {
     }
 }
 
-/// One thread's share: `bytes` (or until `deadline`) in requests of `block_size`, `queue_depth`
-/// at a time, into its region at `base` (`region_offset` into the target). Returns each
-/// request's latency.
-#[allow(clippy::too_many_arguments)]
-fn thread_io(
-    target: &Target,
-    ring: &mut IoUring,
+/// What one thread of a turn works on.
+struct ThreadIo<'a> {
+    target: &'a Target,
     fixed: bool,
-    base: usize,
+    /// Bytes of the target the thread's requests cycle through, from `region_offset`.
+    region: usize,
     region_offset: usize,
-    file: &File,
-    opts: &Options,
+    file: &'a File,
+    opts: &'a Options,
     write: bool,
+    /// Bytes to move, where there is no `deadline`.
     bytes: u64,
     deadline: Option<Instant>,
     thread: u64,
+}
+
+/// One thread's share: `bytes` (or until `deadline`) in requests of `block_size`, `queue_depth`
+/// at a time. Returns each request's latency. `ready` carries a `bounce` write's staging slot
+/// already filled for the next request from one turn to the next.
+fn thread_io(
+    io: &ThreadIo<'_>,
+    ring: &mut IoUring,
+    ready: &mut Option<usize>,
 ) -> anyhow::Result<Vec<Duration>> {
+    let opts = io.opts;
     let bs = opts.block_size;
-    let region = region_len(opts);
-    let n_requests = match deadline {
-        Some(_) => u64::MAX,
-        None => bytes.div_ceil(bs as u64),
+    let bounce = match io.target {
+        Target::Bounce { ram, gpu } => Some((ram, gpu)),
+        _ => None,
     };
-    let more = |next: u64| next < n_requests && deadline.is_none_or(|d| Instant::now() < d);
-    let mut issued_at = vec![Instant::now(); opts.queue_depth];
+    let n_requests = match io.deadline {
+        Some(_) => u64::MAX,
+        None => io.bytes.div_ceil(bs as u64),
+    };
+    let more = |next: u64| next < n_requests && io.deadline.is_none_or(|d| Instant::now() < d);
+    let slots = slot_count(opts, bounce.is_some());
+    let at = |slot: usize| io.region_offset + slot_offset(slot, bs, io.region);
+    // The copy between a slot's staging RAM and the same offset of the GPU's memory.
+    let copy = |slot: usize| -> anyhow::Result<()> {
+        let Some((ram, gpu)) = bounce else {
+            return Ok(());
+        };
+        // SAFETY: the slot lies inside both mappings (the same length), and no request into it
+        // is in flight.
+        let ram = unsafe { std::slice::from_raw_parts_mut(ram.ptr.add(at(slot)), bs) };
+        bounce_copy(
+            gpu,
+            at(slot),
+            if io.write {
+                BounceDir::FromGpu(ram)
+            } else {
+                BounceDir::ToGpu(ram)
+            },
+        )
+    };
+    let mut issued_at = vec![Instant::now(); slots];
+    let mut free = (0..slots)
+        .rev()
+        .filter(|&s| Some(s) != *ready)
+        .collect::<Vec<_>>();
     let mut latencies = Vec::new();
     let mut next = 0u64;
     let mut in_flight = 0;
-    let fd = types::Fd(file.as_raw_fd());
+    let fd = types::Fd(io.file.as_raw_fd());
     let span_blocks = (opts.span / bs as u64).max(1);
-    let submit = |ring: &mut IoUring, slot: usize, request: u64| -> anyhow::Result<()> {
-        let ptr = (base + slot_offset(slot, bs, region)) as *mut u8;
-        let block = (request * opts.threads as u64 + thread) % span_blocks;
+    // Queues request `next` into a free slot (a `bounce` write's into the slot filled for it,
+    // or one filled now); `bounce` hands it to the kernel at once, so that it is in flight
+    // while the thread copies.
+    let submit = |ring: &mut IoUring,
+                  issued_at: &mut [Instant],
+                  free: &mut Vec<usize>,
+                  ready: &mut Option<usize>,
+                  next: u64|
+     -> anyhow::Result<()> {
+        let slot = match ready.take() {
+            Some(slot) => slot,
+            None => {
+                let slot = free.pop().context("no free slot")?;
+                if io.write {
+                    copy(slot)?;
+                }
+                slot
+            }
+        };
+        let ptr = (io.target.io_ptr() as usize + at(slot)) as *mut u8;
+        let block = (next * opts.threads as u64 + io.thread) % span_blocks;
         let off = opts.file_offset + block * bs as u64;
-        if write && let Target::Bounce { ram, gpu, .. } = target {
-            let at = region_offset + slot_offset(slot, bs, region);
-            // SAFETY: `at..at+bs` is inside both mappings (same length), and this
-            // thread's slot is not in flight.
-            let dst = unsafe { std::slice::from_raw_parts_mut(ram.ptr.add(at), bs) };
-            bounce_copy(gpu, at, BounceDir::FromGpu(dst))?;
-        }
         let len = bs as u32;
-        let sqe = match (write, fixed) {
+        let sqe = match (io.write, io.fixed) {
             (true, true) => opcode::WriteFixed::new(fd, ptr, len, 0).offset(off).build(),
             (true, false) => opcode::Write::new(fd, ptr, len).offset(off).build(),
             (false, true) => opcode::ReadFixed::new(fd, ptr, len, 0).offset(off).build(),
             (false, false) => opcode::Read::new(fd, ptr, len).offset(off).build(),
         };
+        issued_at[slot] = Instant::now();
         // SAFETY: the slot's memory lives until the run ends, and the run waits for every
         // request before returning.
         unsafe { ring.submission().push(&sqe.user_data(slot as u64)) }
             .map_err(|_| anyhow::format_err!("submission queue full"))?;
+        if bounce.is_some() {
+            ring.submit()?;
+        }
         Ok(())
     };
+    // A `bounce` write fills the spare slot for the next request while the others are in
+    // flight, as a loader copies the next block while the drive writes the last.
+    let prepare = |free: &mut Vec<usize>, ready: &mut Option<usize>, next: u64| {
+        if bounce.is_some() && io.write && ready.is_none() && more(next) {
+            let slot = free.pop().context("no free slot")?;
+            copy(slot)?;
+            *ready = Some(slot);
+        }
+        anyhow::Ok(())
+    };
     while more(next) && in_flight < opts.queue_depth {
-        issued_at[in_flight] = Instant::now();
-        submit(ring, in_flight, next)?;
+        submit(ring, &mut issued_at, &mut free, ready, next)?;
         next += 1;
         in_flight += 1;
     }
+    prepare(&mut free, ready, next)?;
     while in_flight > 0 {
         ring.submit_and_wait(1)?;
         let done = ring
@@ -846,19 +997,21 @@ fn thread_io(
                 };
                 bail!("request failed: {what}");
             }
-            if !write && let Target::Bounce { ram, gpu, .. } = target {
-                let at = region_offset + slot_offset(slot, bs, region);
-                // SAFETY: as above; the request into this slot has completed.
-                let src = unsafe { std::slice::from_raw_parts(ram.ptr.add(at), bs) };
-                bounce_copy(gpu, at, BounceDir::ToGpu(src))?;
-            }
             latencies.push(issued_at[slot].elapsed());
+            let copy_after = bounce.is_some() && !io.write;
+            if !copy_after {
+                free.push(slot);
+            }
             if more(next) {
-                issued_at[slot] = Instant::now();
-                submit(ring, slot, next)?;
+                submit(ring, &mut issued_at, &mut free, ready, next)?;
                 next += 1;
                 in_flight += 1;
             }
+            if copy_after {
+                copy(slot)?;
+                free.push(slot);
+            }
+            prepare(&mut free, ready, next)?;
         }
     }
     Ok(latencies)
@@ -873,8 +1026,16 @@ enum BounceDir<'a> {
 /// Copies between RAM and the GPU's memory at offset `at` of the bounce target.
 fn bounce_copy(gpu: &BounceCopy, at: usize, dir: BounceDir<'_>) -> anyhow::Result<()> {
     match (gpu, dir) {
-        (BounceCopy::Mapping { map, .. }, BounceDir::ToGpu(src)) => map.write(at, src),
-        (BounceCopy::Mapping { map, .. }, BounceDir::FromGpu(dst)) => map.read(at, dst),
+        (BounceCopy::Mapping { map, copy, .. }, BounceDir::ToGpu(src)) => {
+            assert!(at + src.len() <= map.len(), "bounce copy out of bounds");
+            // SAFETY: in bounds of the mapping (checked above), which no Rust reference covers.
+            unsafe { copy.run(map.as_ptr().add(at), src.as_ptr(), src.len(), true) }
+        }
+        (BounceCopy::Mapping { map, copy, .. }, BounceDir::FromGpu(dst)) => {
+            assert!(at + dst.len() <= map.len(), "bounce copy out of bounds");
+            // SAFETY: as above.
+            unsafe { copy.run(dst.as_mut_ptr(), map.as_ptr().add(at), dst.len(), false) }
+        }
         (BounceCopy::Cuda { memory, .. }, BounceDir::ToGpu(src)) => {
             memory.copy_from_host(at as u64, src)?
         }
@@ -883,4 +1044,145 @@ fn bounce_copy(gpu: &BounceCopy, at: usize, dir: BounceDir<'_>) -> anyhow::Resul
         }
     }
     Ok(())
+}
+
+/// A CPU copy between RAM and the exporter's mapping of the GPU's memory.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum CpuCopy {
+    /// `memcpy`.
+    Memcpy,
+    /// 16-byte non-temporal stores into the GPU's memory (`movntdq`), or non-temporal loads
+    /// out of it (`movntdqa`, SSE4.1): what a copy to or from write-combined memory uses.
+    Streaming,
+}
+
+impl CpuCopy {
+    fn name(self) -> &'static str {
+        match self {
+            CpuCopy::Memcpy => "memcpy",
+            CpuCopy::Streaming => "streaming",
+        }
+    }
+
+    /// The copies this CPU can make in that direction.
+    fn available(to_gpu: bool) -> Vec<CpuCopy> {
+        let mut copies = vec![CpuCopy::Memcpy];
+        #[cfg(target_arch = "x86_64")]
+        if to_gpu || std::arch::is_x86_feature_detected!("sse4.1") {
+            copies.push(CpuCopy::Streaming);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = to_gpu;
+        copies
+    }
+
+    /// Copies `len` bytes from `src` to `dst`; `to_gpu` says that `dst` is the GPU's memory
+    /// (else `src` is). A streaming copy of a length or an address not a multiple of 64 is a
+    /// `memcpy`.
+    ///
+    /// # Safety
+    /// `src` and `dst` are valid for `len` bytes and do not overlap.
+    unsafe fn run(self, dst: *mut u8, src: *const u8, len: usize, to_gpu: bool) {
+        #[cfg(target_arch = "x86_64")]
+        if self == CpuCopy::Streaming
+            && len.is_multiple_of(64)
+            && (dst as usize).is_multiple_of(64)
+            && (src as usize).is_multiple_of(64)
+        {
+            if to_gpu {
+                // SAFETY: the caller's promise; the alignment is checked above.
+                unsafe { stream_to(dst, src, len) };
+            } else {
+                // SAFETY: as above; `Streaming` from the GPU is only offered with SSE4.1
+                // (`available`).
+                unsafe { stream_from(dst, src, len) };
+            }
+            return;
+        }
+        let _ = to_gpu;
+        // SAFETY: the caller's promise.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+    }
+}
+
+/// Non-temporal stores of `len` bytes (a multiple of 64) to 64-byte aligned `dst`.
+///
+/// # Safety
+/// As [`CpuCopy::run`], with `dst` and `src` 16-byte aligned.
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_to(dst: *mut u8, src: *const u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_load_si128, _mm_sfence, _mm_stream_si128};
+    for i in (0..len).step_by(64) {
+        // SAFETY: `i + 64 <= len`, both pointers valid and 16-byte aligned (the caller's).
+        unsafe {
+            let s = src.add(i).cast::<__m128i>();
+            let d = dst.add(i).cast::<__m128i>();
+            let (a, b, c, e) = (
+                _mm_load_si128(s),
+                _mm_load_si128(s.add(1)),
+                _mm_load_si128(s.add(2)),
+                _mm_load_si128(s.add(3)),
+            );
+            _mm_stream_si128(d, a);
+            _mm_stream_si128(d.add(1), b);
+            _mm_stream_si128(d.add(2), c);
+            _mm_stream_si128(d.add(3), e);
+        }
+    }
+    // Non-temporal stores are weakly ordered: fence them before the copy counts as done.
+    // SAFETY: SSE is part of x86-64.
+    unsafe { _mm_sfence() };
+}
+
+/// Non-temporal loads of `len` bytes (a multiple of 64) from 64-byte aligned `src`.
+///
+/// # Safety
+/// As [`stream_to`], and the CPU has SSE4.1.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.1")]
+unsafe fn stream_from(dst: *mut u8, src: *const u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_store_si128, _mm_stream_load_si128};
+    for i in (0..len).step_by(64) {
+        // SAFETY: as in `stream_to`.
+        unsafe {
+            let s = src.add(i).cast::<__m128i>();
+            let d = dst.add(i).cast::<__m128i>();
+            let (a, b, c, e) = (
+                _mm_stream_load_si128(s),
+                _mm_stream_load_si128(s.add(1)),
+                _mm_stream_load_si128(s.add(2)),
+                _mm_stream_load_si128(s.add(3)),
+            );
+            _mm_store_si128(d, a);
+            _mm_store_si128(d.add(1), b);
+            _mm_store_si128(d.add(2), c);
+            _mm_store_si128(d.add(3), e);
+        }
+    }
+}
+
+/// The faster of the CPU's copies between `ram` and `map` in the bench's direction, timed on up
+/// to 8 MiB, three times each.
+fn fastest_copy(map: &CpuMapping, ram: &Anon, to_gpu: bool) -> CpuCopy {
+    let len = map.len().min(ram.len).min(8 << 20) / 64 * 64;
+    let (dst, src) = if to_gpu {
+        (map.as_ptr(), ram.ptr.cast_const())
+    } else {
+        (ram.ptr, map.as_ptr().cast_const())
+    };
+    let time = |copy: CpuCopy| {
+        (0..3)
+            .map(|_| {
+                let started = Instant::now();
+                // SAFETY: `len` lies inside both mappings, which are distinct.
+                unsafe { copy.run(dst, src, len, to_gpu) };
+                started.elapsed()
+            })
+            .min()
+            .unwrap_or_default()
+    };
+    CpuCopy::available(to_gpu)
+        .into_iter()
+        .min_by_key(|&copy| time(copy))
+        .unwrap_or(CpuCopy::Memcpy)
 }
