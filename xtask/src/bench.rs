@@ -563,13 +563,13 @@ fn paired_by(modes: &BTreeMap<String, &Value>, key: &str, a: &str, b: &str) -> O
     ratios.sort_by(f64::total_cmp);
     let n = ratios.len();
     match n {
-        /// In how many of their turns `direct`'s figure under `key` and `other`'s satisfy `holds`,
+        0 => None,
         _ if n % 2 == 1 => Some(ratios[n / 2]),
         _ => Some((ratios[n / 2 - 1] + ratios[n / 2]) / 2.0),
     }
 }
 
-/// In how many of their turns `direct`'s figure under `key` and `bounce`'s satisfy `holds`,
+/// In how many of their turns `direct`'s figure under `key` and `other`'s satisfy `holds`,
 /// as "N of M".
 fn turns_where(
     modes: &BTreeMap<String, &Value>,
