@@ -111,7 +111,8 @@ struct fgds_geometry {
  * @order: pages per folio of the provider, as a power of two (GENERIC pages
  *	are 2 MiB folios; all others single pages)
  * @memtype_wc: fgds holds a write-combine memory type reservation on the BAR
- * @p2p_claim: P2PDMA mode: kernel address of the whole-BAR genpool claim
+ * @p2p_claim: P2PDMA mode: kernel address of the whole-BAR genpool claim;
+ *	NULL where the pages are large folios, which are not in the genpool
  * @p2p_group: P2PDMA mode: devres group on @pdev holding the P2PDMA resource
  *	if fgds created the device's P2PDMA state itself, else NULL
  * @holds_lock: protects @holds, @nr_held and every buffer's @holding

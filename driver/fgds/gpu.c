@@ -10,7 +10,9 @@
  *  2. with CONFIG_PCI_P2PDMA, fgds registers P2PDMA pages for the whole BAR
  *     and claims the whole range from the P2PDMA genpool, so no other
  *     allocator (pci_alloc_p2pmem(), p2pmem/allocate) can hand that memory
- *     out. GUP hands P2PDMA pages only to callers that pass FOLL_PCI_P2PDMA
+ *     out. Where the kernel has pci_p2pdma_add_resource_folios() (the rig's
+ *     kernel change p2pdma-folios) the pages are 2 MiB folios, which never
+ *     enter the genpool. GUP hands P2PDMA pages only to callers that pass FOLL_PCI_P2PDMA
  *     (the block layer, for queues that can reach them), never pins them
  *     long-term, and the DMA layer maps them through the P2P distance check;
  *  3. without CONFIG_PCI_P2PDMA (Debian's 6.1 and 6.12), MEMORY_DEVICE_GENERIC
@@ -239,16 +241,62 @@ static int fgds_claim_p2pdma(struct fgds_gpu *gpu)
 }
 
 /*
+ * The folio order of the P2PDMA pages fgds creates over the BAR: 2 MiB
+ * folios where the kernel can make them (pci_p2pdma_add_resource_folios(),
+ * the rig's kernel change p2pdma-folios, not upstream) and the BAR is
+ * aligned to them, else order 0, all that pci_p2pdma_add_resource() makes.
+ */
+static unsigned int fgds_p2pdma_order(struct fgds_gpu *gpu)
+{
+#ifdef FGDS_HAVE_P2PDMA_ADD_RESOURCE_FOLIOS
+	if (IS_ALIGNED(gpu->geo.start | gpu->geo.len, PMD_SIZE))
+		return PMD_SHIFT - PAGE_SHIFT;
+#endif
+	return 0;
+}
+
+static int fgds_p2pdma_add_resource(struct fgds_gpu *gpu, unsigned int order)
+{
+#ifdef FGDS_HAVE_P2PDMA_ADD_RESOURCE_FOLIOS
+	if (order)
+		return pci_p2pdma_add_resource_folios(gpu->pdev, gpu->geo.bar,
+						      0, 0, order);
+#endif
+	return pci_p2pdma_add_resource(gpu->pdev, gpu->geo.bar, 0, 0);
+}
+
+/*
+ * Claims the memory of P2PDMA pages of @order from the genpool, so that no
+ * other allocator can hand it out; large folios never enter the genpool,
+ * so there is nothing to claim.
+ */
+static int fgds_claim_p2pdma_order(struct fgds_gpu *gpu, unsigned int order)
+{
+	int ret = order ? 0 : fgds_claim_p2pdma(gpu);
+
+	if (!ret)
+		gpu->order = order;
+	return ret;
+}
+
+/*
  * The GPU still has the P2PDMA pages an earlier fgds created (its driver did
- * not unbind since): claim them again.
+ * not unbind since): claim them again, in the folios they were made with.
  */
 static int fgds_reuse_p2pdma(struct fgds_gpu *gpu)
 {
-	int ret = fgds_reserve_wc(gpu);
+	struct dev_pagemap *pgmap = fgds_get_dev_pagemap(fgds_bar_pfn(gpu));
+	unsigned int order = 0;
+	int ret;
 
+	if (pgmap) {
+		order = pgmap->vmemmap_shift;
+		put_dev_pagemap(pgmap);
+	}
+	ret = fgds_reserve_wc(gpu);
 	if (ret)
 		return ret;
-	ret = fgds_claim_p2pdma(gpu);
+	ret = fgds_claim_p2pdma_order(gpu, order);
 	if (ret) {
 		fgds_unreserve_wc(gpu);
 		return ret;
@@ -267,6 +315,7 @@ static int fgds_reuse_p2pdma(struct fgds_gpu *gpu)
  */
 static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
 {
+	unsigned int order = fgds_p2pdma_order(gpu);
 	struct pci_dev *pdev = gpu->pdev;
 	void *group = NULL;
 	int ret;
@@ -282,7 +331,7 @@ static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
 			goto err_wc;
 		}
 	}
-	ret = pci_p2pdma_add_resource(pdev, gpu->geo.bar, 0, 0);
+	ret = fgds_p2pdma_add_resource(gpu, order);
 	if (group)
 		devres_close_group(&pdev->dev, group);
 	if (ret) {
@@ -292,7 +341,7 @@ static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
 	}
 
 	fgds_mark_p2pdma(gpu);
-	ret = fgds_claim_p2pdma(gpu);
+	ret = fgds_claim_p2pdma_order(gpu, order);
 	if (ret)
 		goto err_group;
 	gpu->p2p_group = group;
@@ -310,7 +359,8 @@ static void fgds_teardown_p2pdma(struct fgds_gpu *gpu)
 {
 	struct pci_dev *pdev = gpu->pdev;
 
-	pci_free_p2pmem(pdev, gpu->p2p_claim, gpu->geo.len);
+	if (gpu->p2p_claim)
+		pci_free_p2pmem(pdev, gpu->p2p_claim, gpu->geo.len);
 	gpu->p2p_claim = NULL;
 	if (gpu->p2p_group)
 		devres_release_group(&pdev->dev, gpu->p2p_group);

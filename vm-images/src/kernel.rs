@@ -47,8 +47,14 @@ pub enum KernelSpec {
     /// Debian's prebuilt `-amd64` kernel of a series such as "6.1", "6.12", "7.2" or "7.3".
     Debian { series: String },
     /// Built from Debian's `linux-source-X.Y` with `vm-images/configs/base.config`, plus
-    /// `debug.config` (KASAN, lockdep, kmemleak, DMABUF_DEBUG, fault injection) if `debug`.
-    Build { series: String, debug: bool },
+    /// `debug.config` (KASAN, lockdep, kmemleak, DMABUF_DEBUG, fault injection) if `debug`,
+    /// with the kernel change `vm-images/kernel-patches/<patch>/<series>.patch` applied if
+    /// `patch` names one.
+    Build {
+        series: String,
+        debug: bool,
+        patch: Option<String>,
+    },
     /// A kernel tree the user configured and built (`make bzImage modules`).
     Path(PathBuf),
 }
@@ -85,7 +91,11 @@ pub fn prepare(spec: &KernelSpec, cache_dir: &Path) -> anyhow::Result<Kernel> {
         .with_context(|| format!("cannot create the cache dir {}", cache_dir.display()))?;
     let res = match spec {
         KernelSpec::Debian { series } => debian::prepare(series, cache_dir),
-        KernelSpec::Build { series, debug } => build::prepare(series, *debug, cache_dir),
+        KernelSpec::Build {
+            series,
+            debug,
+            patch,
+        } => build::prepare(series, *debug, patch.as_deref(), cache_dir),
         KernelSpec::Path(dir) => tree::prepare(dir, cache_dir),
     };
     res.with_context(|| format!("cannot prepare kernel {spec}"))
@@ -114,15 +124,40 @@ pub fn has_config(kernel: &Kernel, option: &str) -> anyhow::Result<bool> {
     Ok(matches!(value, Some("y" | "m")))
 }
 
+/// Where the rig's kernel changes live: one directory per change, holding a patch per series
+/// it applies to (`<series>.patch`, `patch -p1` in the kernel tree) and a README.md.
+pub fn kernel_patches_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("kernel-patches")
+}
+
+/// The kernel changes a `build:` spec can name.
+fn patch_names() -> Vec<String> {
+    let mut names = fs::read_dir(kernel_patches_dir())
+        .into_iter()
+        .flatten()
+        .filter_map(|e| {
+            let e = e.ok()?;
+            e.file_type()
+                .ok()?
+                .is_dir()
+                .then(|| e.file_name().to_string_lossy().into_owned())
+        })
+        .collect::<Vec<_>>();
+    names.sort();
+    names
+}
+
 impl FromStr for KernelSpec {
     type Err = anyhow::Error;
 
     fn from_str(s: &str) -> anyhow::Result<KernelSpec> {
         const FORMS: &str = "accepted forms: `debian:X.Y` (Debian's prebuilt -amd64 kernel of \
                              series X.Y, e.g. debian:6.1, debian:6.12, debian:7.2, debian:7.3), \
-                             `build:X.Y[+debug]` (built from Debian's linux-source-X.Y with the \
-                             rig's config, e.g. build:6.12, build:7.2+debug) or `path:DIR` (a \
-                             kernel tree built with `make bzImage modules`)";
+                             `build:X.Y[+debug][+PATCH]` (built from Debian's linux-source-X.Y \
+                             with the rig's config, e.g. build:6.12, build:7.2+debug, and with \
+                             a kernel change of vm-images/kernel-patches/, e.g. \
+                             build:7.2+p2pdma-folios) or `path:DIR` (a kernel tree built with \
+                             `make bzImage modules`)";
         if let Some(series) = s.strip_prefix("debian:") {
             if !is_series(series) {
                 bail!("invalid kernel spec {s:?}: {series:?} is not a series like 6.12; {FORMS}");
@@ -132,19 +167,30 @@ impl FromStr for KernelSpec {
             });
         }
         if let Some(rest) = s.strip_prefix("build:") {
-            let (series, debug) = match rest.split_once('+') {
-                Some((series, "debug")) => (series, true),
-                Some((_, flavour)) => bail!(
-                    "invalid kernel spec {s:?}: unknown variant +{flavour} (only +debug exists); {FORMS}"
-                ),
-                None => (rest, false),
-            };
+            let mut parts = rest.split('+');
+            let series = parts.next().unwrap_or_default();
+            let (mut debug, mut patch) = (false, None);
+            for flavour in parts {
+                match flavour {
+                    "debug" if !debug && patch.is_none() => debug = true,
+                    name if patch.is_none() && patch_names().iter().any(|p| p == name) => {
+                        patch = Some(name.to_owned())
+                    }
+                    _ => bail!(
+                        "invalid kernel spec {s:?}: unknown or repeated variant +{flavour} \
+                         (+debug, then at most one kernel change of vm-images/kernel-patches/: \
+                         {}); {FORMS}",
+                        patch_names().join(", ")
+                    ),
+                }
+            }
             if !is_series(series) {
                 bail!("invalid kernel spec {s:?}: {series:?} is not a series like 6.12; {FORMS}");
             }
             return Ok(KernelSpec::Build {
                 series: series.to_owned(),
                 debug,
+                patch,
             });
         }
         if let Some(dir) = s.strip_prefix("path:") {
@@ -161,8 +207,16 @@ impl fmt::Display for KernelSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             KernelSpec::Debian { series } => write!(f, "debian:{series}"),
-            KernelSpec::Build { series, debug } => {
-                write!(f, "build:{series}{}", if *debug { "+debug" } else { "" })
+            KernelSpec::Build {
+                series,
+                debug,
+                patch,
+            } => {
+                write!(f, "build:{series}{}", if *debug { "+debug" } else { "" })?;
+                match patch {
+                    Some(patch) => write!(f, "+{patch}"),
+                    None => Ok(()),
+                }
             }
             KernelSpec::Path(dir) => write!(f, "path:{}", dir.display()),
         }
@@ -175,10 +229,18 @@ impl KernelSpec {
     pub fn slug(&self) -> String {
         match self {
             KernelSpec::Debian { series } => format!("debian-{}", sanitize(series)),
-            KernelSpec::Build { series, debug } => format!(
-                "build-{}{}",
+            KernelSpec::Build {
+                series,
+                debug,
+                patch,
+            } => format!(
+                "build-{}{}{}",
                 sanitize(series),
-                if *debug { "-debug" } else { "" }
+                if *debug { "-debug" } else { "" },
+                patch
+                    .as_deref()
+                    .map(|p| format!("-{}", sanitize(p)))
+                    .unwrap_or_default()
             ),
             KernelSpec::Path(dir) => {
                 let name = dir
@@ -372,7 +434,8 @@ mod tests {
             spec,
             KernelSpec::Build {
                 series: "6.12".to_owned(),
-                debug: false
+                debug: false,
+                patch: None,
             }
         );
         assert_eq!(spec.to_string(), "build:6.12");
@@ -382,11 +445,23 @@ mod tests {
             spec,
             KernelSpec::Build {
                 series: "7.2".to_owned(),
-                debug: true
+                debug: true,
+                patch: None,
             }
         );
         assert_eq!(spec.to_string(), "build:7.2+debug");
         assert_eq!(spec.slug(), "build-7.2-debug");
+        let spec: KernelSpec = "build:7.2+debug+p2pdma-folios".parse().unwrap();
+        assert_eq!(spec.to_string(), "build:7.2+debug+p2pdma-folios");
+        assert_eq!(spec.slug(), "build-7.2-debug-p2pdma-folios");
+        assert_eq!(
+            "build:7.2+p2pdma-folios".parse::<KernelSpec>().unwrap(),
+            KernelSpec::Build {
+                series: "7.2".to_owned(),
+                debug: false,
+                patch: Some("p2pdma-folios".to_owned()),
+            }
+        );
         assert_eq!(
             "build:6.12+debug".parse::<KernelSpec>().unwrap().slug(),
             "build-6.12-debug"
@@ -426,13 +501,15 @@ mod tests {
             "build:+debug",
             "build:6.12+",
             "build:6.12+debug+debug",
+            "build:7.2+p2pdma-folios+debug",
+            "build:7.2+p2pdma-folios+p2pdma-folios",
             "path:",
             "",
         ] {
             let err = bad.parse::<KernelSpec>().unwrap_err().to_string();
             assert!(
                 err.contains("debian:X.Y")
-                    && err.contains("build:X.Y[+debug]")
+                    && err.contains("build:X.Y[+debug][+PATCH]")
                     && err.contains("path:DIR"),
                 "{bad}: {err}"
             );

@@ -366,11 +366,7 @@ impl RunConfig {
             vgpu_mode: match vgpu_mode {
                 "plain" => VgpuMode::Plain,
                 "p2pdma" => VgpuMode::P2pdma,
-                // The benchmark's default: P2PDMA pages of vgpu's own, published, where the
-                // kernel has them, so that upstream's p2pmem runs beside fgds on the same pages.
-                "auto" if configs.contains("CONFIG_PCI_P2PDMA") => VgpuMode::P2pdma,
-                "auto" => VgpuMode::Plain,
-                other => anyhow::bail!("--vgpu-mode {other}: use plain, p2pdma or auto"),
+                other => anyhow::bail!("--vgpu-mode {other}: use plain or p2pdma"),
             },
             configs,
             iommu,

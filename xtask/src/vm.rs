@@ -37,10 +37,9 @@ pub struct Options {
     /// 4 skips, anything else fails; KTAP lines it prints are reported as subtests.
     #[arg(long = "exec", value_name = "PATH")]
     pub exec: Vec<PathBuf>,
-    /// The vgpu exporter's mode: plain (no struct pages, like VRAM), p2pdma (P2PDMA pages of
-    /// its own, published for upstream's p2pmem), or auto (p2pdma where the kernel has
-    /// CONFIG_PCI_P2PDMA, else plain).
-    #[arg(long, default_value = "plain", value_parser = ["plain", "p2pdma", "auto"])]
+    /// The vgpu exporter's mode: plain (no struct pages, like VRAM) or p2pdma (P2PDMA pages of
+    /// its own, published for upstream's p2pmem).
+    #[arg(long, default_value = "plain", value_parser = ["plain", "p2pdma"])]
     pub vgpu_mode: String,
     /// fgds's `pages=` parameter: which pages it creates over the GPU's BAR (auto: P2PDMA
     /// wherever the kernel has CONFIG_PCI_P2PDMA, GENERIC only on kernels without it and only
@@ -140,6 +139,8 @@ pub struct KernelRun {
     pub config: String,
     /// Skips the expected-outcome table expects (xtask/src/expected.rs) in this run.
     pub expected_skips: usize,
+    /// Whether the kernel has CONFIG_PCI_P2PDMA (upstream's p2pmem can run on it).
+    pub has_p2pdma: bool,
     /// From the start of the fetch to the verdicts.
     pub took: Duration,
     /// From QEMU's start to the guest's first result (`setup`); `None` if none came.
@@ -494,6 +495,7 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         reports,
         config: run_config.describe(),
         expected_skips,
+        has_p2pdma: run_config.configs.contains("CONFIG_PCI_P2PDMA"),
         took: started.elapsed(),
         booted_in: run.boot,
         outcomes,

@@ -43,6 +43,13 @@ fn quick() -> bool {
     kind() == "quick"
 }
 
+/// Whether this boot is `cargo xtask bench`'s second (`fgds.bench_set=p2pmem`): vgpu with
+/// published P2PDMA pages of its own, so that `ram`, `direct` (on those pages) and upstream's
+/// `p2pmem` (on the same pages) run side by side, over part of the grid.
+fn p2pmem_set() -> bool {
+    std::env::var("FGDS_BENCH_SET").is_ok_and(|set| set == "p2pmem")
+}
+
 /// How much each repetition of `fgds bench` moves.
 #[derive(Clone, Copy)]
 enum Amount {
@@ -123,6 +130,8 @@ fn grid() -> CaseResult {
         .into_owned();
     let (sizes, depths, repeat, seconds): (&[u64], &[u64], &str, f64) = if quick() {
         (&[64 << 10, 1 << 20, 4 << 20], &[1, 32], "2", 0.5)
+    } else if p2pmem_set() {
+        (&[64 << 10, 1 << 20, 4 << 20, 16 << 20], &[1, 32], "5", 1.0)
     } else {
         (
             &[
@@ -158,7 +167,12 @@ fn grid() -> CaseResult {
                 } else {
                     seconds
                 });
-                let rows = fgds_bench(&nvme, op, bs, qd, amount, offset, span, repeat, &[])?;
+                let modes: &[&str] = if p2pmem_set() {
+                    &["ram", "direct", "p2pmem"]
+                } else {
+                    &["ram", "direct", "bounce"]
+                };
+                let rows = fgds_bench(&nvme, op, bs, qd, amount, offset, span, repeat, modes)?;
                 for row in rows {
                     ktap::diag(format_args!("fgds-bench: {row}"));
                 }
@@ -174,6 +188,9 @@ fn registration_cost() -> CaseResult {
     const GIB: u64 = 1 << 30;
     if kind() == "profile" {
         return ktap::skip("fgds.bench=profile runs only the profile");
+    }
+    if p2pmem_set() {
+        return ktap::skip("the p2pmem boot runs only the grid (fgds takes vgpu's pages there)");
     }
     let info = fgds::Gpu::list()?
         .into_iter()

@@ -1,6 +1,7 @@
-//! `build:X.Y[+debug]`: a guest kernel built from Debian's `linux-source-X.Y` with the rig's
-//! config fragments (`vm-images/configs/`), cached by version and a hash of everything that
-//! changes the result.
+//! `build:X.Y[+debug][+PATCH]`: a guest kernel built from Debian's `linux-source-X.Y` with the
+//! rig's config fragments (`vm-images/configs/`) and, for `+PATCH`, a kernel change of
+//! `vm-images/kernel-patches/PATCH/X.Y.patch` applied to a copy of the tree (hard links, so
+//! the copy costs seconds), cached by version and a hash of everything that changes the result.
 //!
 //! ```text
 //! kernels/build-<series>[-debug]-<key>/
@@ -58,11 +59,32 @@ const KBUILD_ENV: &[&str] = &[
     "KCPPFLAGS",
 ];
 
-pub(super) fn prepare(series: &str, debug: bool, cache_dir: &Path) -> anyhow::Result<Kernel> {
+pub(super) fn prepare(
+    series: &str,
+    debug: bool,
+    patch: Option<&str>,
+    cache_dir: &Path,
+) -> anyhow::Result<Kernel> {
     let spec = KernelSpec::Build {
         series: series.to_owned(),
         debug,
+        patch: patch.map(str::to_owned),
     };
+    let patch = patch
+        .map(|name| {
+            let path = super::kernel_patches_dir()
+                .join(name)
+                .join(format!("{series}.patch"));
+            let text = fs::read_to_string(&path).with_context(|| {
+                format!(
+                    "the kernel change {name} has no patch for {series} ({}); it exists for: {}",
+                    path.display(),
+                    patched_series(name)
+                )
+            })?;
+            anyhow::Ok((name, path, text))
+        })
+        .transpose()?;
     let host_log = cache_dir.join("host-packages.log");
     host::ensure(host::UNPACK, &host_log)?;
     host::ensure(host::BUILD, &host_log)?;
@@ -74,6 +96,9 @@ pub(super) fn prepare(series: &str, debug: bool, cache_dir: &Path) -> anyhow::Re
     let mut parts = vec![RECIPE, &package, &version, &toolchain];
     for fragment in &fragments {
         parts.extend([fragment.name, fragment.text]);
+    }
+    if let Some((name, _, text)) = &patch {
+        parts.extend([*name, text.as_str()]);
     }
     let key = kconfig::cache_key(&parts);
 
@@ -101,13 +126,68 @@ pub(super) fn prepare(series: &str, debug: bool, cache_dir: &Path) -> anyhow::Re
         log: with_suffix(&root, ".log"),
         count_file: kernels.join(format!("{}.cc-count", spec.slug())),
     };
-    let src = source::unpack(&apt, cache_dir, &package, &version)?;
+    let mut src = source::unpack(&apt, cache_dir, &package, &version)?;
+    if let Some((name, path, _)) = &patch {
+        src = patched_tree(&src, &root, name, path, &job.log)?;
+    }
     job.build(&src).with_context(|| {
         format!(
             "cannot build {spec} from {package} {version} (log: {})",
             job.log.display()
         )
     })
+}
+
+/// The series a kernel change has patches for, for error messages.
+fn patched_series(name: &str) -> String {
+    let mut series = fs::read_dir(super::kernel_patches_dir().join(name))
+        .into_iter()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().to_string_lossy().into_owned();
+            name.strip_suffix(".patch").map(str::to_owned)
+        })
+        .collect::<Vec<_>>();
+    series.sort();
+    if series.is_empty() {
+        "no series".to_owned()
+    } else {
+        series.join(", ")
+    }
+}
+
+/// A copy of `src` with the kernel change at `patch` applied: `<root>.src/linux`, hard links to
+/// the unpacked tree (GNU patch replaces a file it changes, so the original stays as it was),
+/// made again from scratch unless a marker says it is complete. Beside the build's root, which
+/// a fresh configuration empties.
+fn patched_tree(
+    src: &Path,
+    root: &Path,
+    name: &str,
+    patch: &Path,
+    log: &Path,
+) -> anyhow::Result<PathBuf> {
+    let dir = with_suffix(root, ".src");
+    let (tree, marker) = (dir.join("linux"), dir.join(".fgds-patched"));
+    if marker.exists() && tree.join("Makefile").exists() {
+        return Ok(tree);
+    }
+    remove_dir_all_if_exists(&dir)?;
+    fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    eprintln!("applying the kernel change {name} ({})", patch.display());
+    let sh = Shell::new()?;
+    run_logged(cmd!(sh, "cp -al {src} {tree}"), log)?;
+    sh.change_dir(&tree);
+    run_logged(cmd!(sh, "patch -p1 --forward --batch -i {patch}"), log).with_context(|| {
+        format!(
+            "{} does not apply to {}: see {}",
+            patch.display(),
+            src.display(),
+            log.display()
+        )
+    })?;
+    fs::write(&marker, name).with_context(|| format!("cannot write {}", marker.display()))?;
+    Ok(tree)
 }
 
 fn fragments(debug: bool) -> Vec<kconfig::Fragment> {
