@@ -161,6 +161,22 @@ fn bench_runs_every_mode() -> CaseResult {
             "mode {m} has no ratio to ram: {row}"
         );
     }
+    // The baselines are the fair ones: RAM in transparent huge pages where the kernel has
+    // them, and bounce's copy named.
+    if std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists() {
+        for m in ["ram", "bounce"] {
+            let row = mode(m)?;
+            ensure!(
+                row["huge_page_fraction"].as_f64().is_some_and(|f| f > 0.0),
+                "mode {m}'s RAM is not in huge pages despite MADV_HUGEPAGE: {row}"
+            );
+        }
+    }
+    let bounce = mode("bounce")?;
+    ensure!(
+        matches!(bounce["bounce_copy"].as_str(), Some("memcpy" | "streaming")),
+        "bounce does not say which copy it made: {bounce}"
+    );
     let p2pmem = mode("p2pmem")?;
     ensure!(
         p2pmem["mib_s"].as_f64().is_some()
