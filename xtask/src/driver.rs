@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, bail};
-use fgds_vm_images::kernel::Kernel;
+use fgds_vm_images::kernel::{Kernel, KernelSpec};
 
 use crate::report::{Outcome, Verdict};
 
@@ -74,22 +74,48 @@ pub fn build(kernel: &Kernel, out_dir: &Path) -> anyhow::Result<Build> {
 }
 
 /// What each compile probe of driver/configure/probes/ must find, as `FGDS_HAVE_<NAME>` and
-/// the first series that has it, for the kernels the rig supports: a probe that fails there
-/// for a reason of its own (a header it forgot) would silently pick the old API.
-const PROBES: &[(&str, (u32, u32))] = &[
-    ("VM_FLAGS_SET", (6, 3)),
-    ("CLASS_CREATE_NAME", (6, 4)),
-    ("GET_FILE_ACTIVE", (6, 7)),
-    ("FOLIO_ADD_FILE_RMAP_PTES", (6, 9)),
-    ("FOLIO_LARGE_MAPCOUNT", (6, 9)),
-    ("PCIM_REQUEST_REGION", (6, 12)),
-    ("MODULE_IMPORT_NS_STRING", (6, 13)),
-    ("VMF_INSERT_FOLIO_PMD", (6, 15)),
-    ("P2PDMA_PROVIDER_API", (6, 19)),
-    ("DMA_BUF_INVALIDATE_MAPPINGS", (7, 0)),
-    ("ATTACH_OPS_INVALIDATE_MAPPINGS", (7, 0)),
-    ("GET_DEV_PAGEMAP_PFN", (7, 0)),
+/// when the kernel has it, for the kernels the rig supports: a probe that fails there for a
+/// reason of its own (a header it forgot) would silently pick the old API.
+const PROBES: &[(&str, Has)] = &[
+    ("VM_FLAGS_SET", Has::Since(6, 3)),
+    ("CLASS_CREATE_NAME", Has::Since(6, 4)),
+    ("GET_FILE_ACTIVE", Has::Since(6, 7)),
+    ("FOLIO_ADD_FILE_RMAP_PTES", Has::Since(6, 9)),
+    ("FOLIO_LARGE_MAPCOUNT", Has::Since(6, 9)),
+    ("PCIM_REQUEST_REGION", Has::Since(6, 12)),
+    ("MODULE_IMPORT_NS_STRING", Has::Since(6, 13)),
+    ("VMF_INSERT_FOLIO_PMD", Has::Since(6, 15)),
+    ("P2PDMA_PROVIDER_API", Has::Since(6, 19)),
+    ("DMA_BUF_INVALIDATE_MAPPINGS", Has::Since(7, 0)),
+    ("ATTACH_OPS_INVALIDATE_MAPPINGS", Has::Since(7, 0)),
+    ("GET_DEV_PAGEMAP_PFN", Has::Since(7, 0)),
+    ("P2PDMA_ADD_RESOURCE_FOLIOS", Has::Patch("p2pdma-folios")),
 ];
+
+/// Which kernels have what a probe looks for.
+#[derive(Clone, Copy)]
+enum Has {
+    /// Every kernel from this series on.
+    Since(u32, u32),
+    /// Only `build:` kernels with this change of vm-images/kernel-patches/ applied.
+    Patch(&'static str),
+}
+
+impl Has {
+    fn holds(self, series: (u32, u32), patch: Option<&str>) -> bool {
+        match self {
+            Has::Since(major, minor) => series >= (major, minor),
+            Has::Patch(name) => patch == Some(name),
+        }
+    }
+
+    fn describe(self) -> String {
+        match self {
+            Has::Since(major, minor) => format!("since {major}.{minor}"),
+            Has::Patch(name) => format!("with the kernel change {name} only"),
+        }
+    }
+}
 
 /// The kernel series the rig supports, whose probe results [`PROBES`] knows.
 const SUPPORTED_SERIES: &[(u32, u32)] = &[(6, 1), (6, 12), (7, 2), (7, 3)];
@@ -112,7 +138,11 @@ pub fn probes_outcome(label: &str, kernel: &Kernel, build: &Build) -> Outcome {
     let verdict = match std::fs::read_to_string(&build.config) {
         Err(err) => Verdict::Fail(format!("cannot read {}: {err}", build.config.display())),
         Ok(config) => {
-            let wrong = probe_mismatches(&config, series);
+            let patch = match kernel.spec.parse::<KernelSpec>() {
+                Ok(KernelSpec::Build { patch, .. }) => patch,
+                _ => None,
+            };
+            let wrong = probe_mismatches(&config, series, patch.as_deref());
             if wrong.is_empty() {
                 Verdict::Pass
             } else {
@@ -135,23 +165,22 @@ fn release_series(release: &str) -> Option<(u32, u32)> {
 }
 
 /// The probes whose result in `config` (a generated fgds_config.h) is not what [`PROBES`]
-/// says for `series`.
-fn probe_mismatches(config: &str, series: (u32, u32)) -> Vec<String> {
+/// says for `series` with the kernel change `patch`.
+fn probe_mismatches(config: &str, series: (u32, u32), patch: Option<&str>) -> Vec<String> {
     PROBES
         .iter()
-        .filter_map(|(name, since)| {
+        .filter_map(|(name, has)| {
             let macro_name = format!("FGDS_HAVE_{name}");
             let found = config
                 .lines()
                 .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["#define", &macro_name, "1"]);
-            let expected = series >= *since;
+            let expected = has.holds(series, patch);
             (found != expected).then(|| {
                 format!(
-                    "{macro_name} is {}, expected {} (since {}.{})",
+                    "{macro_name} is {}, expected {} ({})",
                     if found { "set" } else { "unset" },
                     if expected { "set" } else { "unset" },
-                    since.0,
-                    since.1
+                    has.describe()
                 )
             })
         })
@@ -444,13 +473,16 @@ mod tests {
             .iter()
             .map(|(n, _)| format!("#define FGDS_HAVE_{n} 1\n"))
             .collect::<String>();
-        assert!(probe_mismatches(&all, (7, 3)).is_empty());
-        let wrong = probe_mismatches(&all, (6, 12));
-        assert_eq!(wrong.len(), 6, "{wrong:?}");
+        assert!(probe_mismatches(&all, (7, 3), Some("p2pdma-folios")).is_empty());
+        let wrong = probe_mismatches(&all, (7, 3), None);
+        assert_eq!(wrong.len(), 1, "{wrong:?}");
+        assert!(wrong[0].contains("P2PDMA_ADD_RESOURCE_FOLIOS is set, expected unset (with the"));
+        let wrong = probe_mismatches(&all, (6, 12), None);
+        assert_eq!(wrong.len(), 7, "{wrong:?}");
         assert!(wrong[0].starts_with("FGDS_HAVE_MODULE_IMPORT_NS_STRING is set, expected unset"));
         let none = "/* FGDS_HAVE_VM_FLAGS_SET: no */\n";
-        assert_eq!(probe_mismatches(none, (6, 1)), Vec::<String>::new());
-        assert_eq!(probe_mismatches(none, (7, 2)).len(), PROBES.len());
+        assert_eq!(probe_mismatches(none, (6, 1), None), Vec::<String>::new());
+        assert_eq!(probe_mismatches(none, (7, 2), None).len(), PROBES.len() - 1);
     }
 
     #[test]
