@@ -330,8 +330,10 @@ fn minor_faults() -> anyhow::Result<i64> {
     Ok(unsafe { usage.assume_init() }.ru_minflt)
 }
 
-/// Whether fgds must map 2 MiB folios with PMDs here: GENERIC pages on 7.x (docs/driver.md),
-/// the mode taken from the run's configuration, not from the driver.
+/// Whether fgds must map 2 MiB folios with PMDs here: on 7.x, GENERIC pages, and P2PDMA pages
+/// where the kernel can make them 2 MiB folios (`pci_p2pdma_add_resource_folios()`, the rig's
+/// kernel change p2pdma-folios) (docs/driver.md); the mode taken from the run's configuration
+/// and the kernel's symbols, not from the driver.
 fn maps_pmds() -> anyhow::Result<bool> {
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")?;
     let major: u32 = release
@@ -345,7 +347,13 @@ fn maps_pmds() -> anyhow::Result<bool> {
         mode == expected,
         "fgds shows mode {mode:?}; the run's configuration implies {expected:?}"
     );
-    Ok(major >= 7 && expected == "generic")
+    let p2pdma_folios = || -> anyhow::Result<bool> {
+        let symbols = std::fs::read_to_string("/proc/kallsyms").context("read /proc/kallsyms")?;
+        Ok(symbols
+            .lines()
+            .any(|l| l.ends_with(" pci_p2pdma_add_resource_folios")))
+    };
+    Ok(major >= 7 && (expected == "generic" || (expected == "p2pdma" && p2pdma_folios()?)))
 }
 
 /// An 8 MiB buffer on 2 MiB BAR boundaries: where fgds maps PMDs, touching it from its last
