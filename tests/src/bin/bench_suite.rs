@@ -311,6 +311,12 @@ fn profile() -> CaseResult {
         }
     }
     // What the drive is asked to do in each mode: one 4 MiB read, its requests and commands.
+    let filesystems = std::fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    if !filesystems.lines().any(|l| l.ends_with("\ttracefs")) {
+        return ktap::skip(
+            "profiled, but the requests were not traced: this kernel has no tracefs (CONFIG_FTRACE)",
+        );
+    }
     for mode in ["ram", "direct"] {
         let (_, text) = profile::trace(&["block/block_rq_issue", "nvme/nvme_setup_cmd"], || {
             fgds_bench(
