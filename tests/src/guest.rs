@@ -88,6 +88,15 @@ pub fn rig_modules() -> anyhow::Result<Vec<(String, String)>> {
 /// run's configuration implies, from the host's expected-outcome table
 /// (xtask/src/expected.rs), never from the driver itself: the init sets `FGDS_EXPECTED_MODE`
 /// from the plan.
+/// Whether the kernel makes P2PDMA pages 2 MiB folios for fgds (`pci_p2pdma_add_resource_folios()`,
+/// the rig's kernel change p2pdma-folios), from its symbols rather than from the driver.
+pub fn has_p2pdma_folios() -> anyhow::Result<bool> {
+    let symbols = std::fs::read_to_string("/proc/kallsyms").context("read /proc/kallsyms")?;
+    Ok(symbols
+        .lines()
+        .any(|l| l.ends_with(" pci_p2pdma_add_resource_folios")))
+}
+
 pub fn expected_mode() -> anyhow::Result<String> {
     std::env::var("FGDS_EXPECTED_MODE").context(
         "FGDS_EXPECTED_MODE is not set: run inside the rig (cargo xtask test-vm), which sets it \

@@ -39,7 +39,7 @@
 
 use std::collections::BTreeSet;
 
-use fgds_vm_images::kernel::Kernel;
+use fgds_vm_images::kernel::{Kernel, KernelSpec};
 
 use crate::report::{Outcome, Verdict};
 
@@ -133,6 +133,8 @@ pub enum When {
     Exporter(Exporter),
     /// fgds's mode, as [`MODES`] gives it, is one of these (not for rows of [`MODES`]).
     Mode(&'static [Mode]),
+    /// The kernel is not a `build:` kernel with this change of vm-images/kernel-patches/.
+    Unpatched(&'static str),
 }
 
 /// A row of [`MODES`].
@@ -289,9 +291,19 @@ pub const SKIPS: &[Skip] = &[
     },
     Skip {
         cases: PMD_CASES,
-        when: &[When::Mode(&[Mode::P2pdma, Mode::ExporterP2pdma])],
+        when: &[When::Mode(&[Mode::ExporterP2pdma])],
         reason: "no PMD mappings with",
-        why: "P2PDMA pages are order-0 folios: fgds maps them with PTEs only",
+        why: "the exporter's P2PDMA pages are order-0 folios: fgds maps them with PTEs only",
+    },
+    Skip {
+        cases: PMD_CASES,
+        when: &[
+            When::Mode(&[Mode::P2pdma]),
+            When::Unpatched("p2pdma-folios"),
+        ],
+        reason: "no PMD mappings with",
+        why: "P2PDMA pages are order-0 folios (pci_p2pdma_add_resource() makes no others; the \
+              kernel change p2pdma-folios does): fgds maps them with PTEs only",
     },
     Skip {
         cases: PMD_CASES,
@@ -400,6 +412,10 @@ impl RunConfig {
             When::Iommu(on) => self.iommu == on,
             When::Exporter(exporter) => self.exporter == exporter,
             When::Mode(modes) => mode(self).is_ok_and(|m| modes.contains(&m)),
+            When::Unpatched(name) => !matches!(
+                self.kernel.parse::<KernelSpec>(),
+                Ok(KernelSpec::Build { patch: Some(p), .. }) if p == name
+            ),
         }
     }
 

@@ -347,13 +347,9 @@ fn maps_pmds() -> anyhow::Result<bool> {
         mode == expected,
         "fgds shows mode {mode:?}; the run's configuration implies {expected:?}"
     );
-    let p2pdma_folios = || -> anyhow::Result<bool> {
-        let symbols = std::fs::read_to_string("/proc/kallsyms").context("read /proc/kallsyms")?;
-        Ok(symbols
-            .lines()
-            .any(|l| l.ends_with(" pci_p2pdma_add_resource_folios")))
-    };
-    Ok(major >= 7 && (expected == "generic" || (expected == "p2pdma" && p2pdma_folios()?)))
+    let folios =
+        expected == "generic" || (expected == "p2pdma" && fgds_tests::guest::has_p2pdma_folios()?);
+    Ok(major >= 7 && folios)
 }
 
 /// An 8 MiB buffer on 2 MiB BAR boundaries: where fgds maps PMDs, touching it from its last

@@ -366,18 +366,19 @@ fn readonly_dmabuf_gives_readonly_mapping() -> CaseResult {
     ktap::pass()
 }
 
-/// Why PMD mappings cannot occur here, if they cannot: only GENERIC 2 MiB folios on 7.x
-/// kernels are mapped with PMDs.
+/// Why PMD mappings cannot occur here, if they cannot: only 2 MiB folios on 7.x kernels are
+/// mapped with PMDs: GENERIC pages, and P2PDMA pages on a kernel with the p2pdma-folios change.
 fn no_pmds_here() -> anyhow::Result<Option<String>> {
     let mode = fgds_tests::guest::expected_mode()?;
     let release = common::kernel_release()?;
-    Ok(if mode != "generic" {
+    let folios = mode == "generic" || (mode == "p2pdma" && fgds_tests::guest::has_p2pdma_folios()?);
+    Ok(if !folios {
         Some(format!(
             "no PMD mappings with {mode} pages (order-0 folios)"
         ))
     } else if !release.starts_with('7') {
         Some(format!(
-            "no PMD mappings on {release}: fgds maps GENERIC folios with PTEs before 7.x"
+            "no PMD mappings on {release}: fgds maps 2 MiB folios with PTEs before 7.x"
         ))
     } else {
         None
