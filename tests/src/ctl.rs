@@ -54,8 +54,45 @@ pub fn request(line: &str) -> anyhow::Result<String> {
 }
 
 /// Unplugs QEMU device `id` and waits for QEMU to report it gone.
+///
+/// When the host gives up waiting, the error carries what the guest was doing: the kernel's
+/// messages since the request, with the stacks of its blocked tasks (sysrq `w`).
 pub fn device_del(id: &str) -> anyhow::Result<()> {
-    request(&format!("device_del {id}")).map(drop)
+    let mark = crate::guest::kernel_log()
+        .ok()
+        .and_then(|log| log.last().map(|(seq, _)| *seq));
+    request(&format!("device_del {id}"))
+        .map(drop)
+        .map_err(|err| match mark {
+            Some(mark) => anyhow::anyhow!("{err:#}\n{}", removal_snapshot(mark)),
+            None => err,
+        })
+}
+
+/// The kernel's messages after `mark` (at most the last [`SNAPSHOT_LINES`]), once sysrq `w` has
+/// logged the stacks of the tasks blocked now: why a removal did not end.
+fn removal_snapshot(mark: u64) -> String {
+    const SNAPSHOT_LINES: usize = 80;
+    let sysrq = std::fs::write("/proc/sysrq-trigger", "w")
+        .err()
+        .map(|e| format!(" (sysrq w failed: {e})"))
+        .unwrap_or_default();
+    let log = match crate::guest::kernel_log() {
+        Ok(log) => log,
+        Err(e) => return format!("the guest's kernel log: {e:#}"),
+    };
+    let lines: Vec<_> = log
+        .into_iter()
+        .filter(|(seq, _)| *seq > mark)
+        .map(|(_, message)| message)
+        .collect();
+    let skip = lines.len().saturating_sub(SNAPSHOT_LINES);
+    format!(
+        "the guest's kernel log since the request{sysrq}, last {} of {} lines:\n{}",
+        lines.len() - skip,
+        lines.len(),
+        lines[skip..].join("\n")
+    )
 }
 
 /// Plugs a device in with HMP `device_add` arguments.

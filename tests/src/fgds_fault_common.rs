@@ -179,47 +179,17 @@ pub fn load_fgds_with(params: &str) -> anyhow::Result<Result<(), Errno>> {
 /// The kernel log's sequence number now: `kernel_log_since(mark)` returns the messages logged
 /// after `mark = kernel_log_mark()`.
 pub fn kernel_log_mark() -> anyhow::Result<u64> {
-    Ok(kernel_log()?.last().map_or(0, |(seq, _)| *seq))
+    Ok(fgds_tests::guest::kernel_log()?
+        .last()
+        .map_or(0, |(seq, _)| *seq))
 }
 
 pub fn kernel_log_since(mark: u64) -> anyhow::Result<Vec<String>> {
-    Ok(kernel_log()?
+    Ok(fgds_tests::guest::kernel_log()?
         .into_iter()
         .filter(|(seq, _)| *seq > mark)
         .map(|(_, message)| message)
         .collect())
-}
-
-/// Every message in the kernel's ring buffer (/dev/kmsg) with its sequence number, oldest
-/// first.
-fn kernel_log() -> anyhow::Result<Vec<(u64, String)>> {
-    let kmsg = rustix::fs::open(
-        "/dev/kmsg",
-        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NONBLOCK,
-        rustix::fs::Mode::empty(),
-    )
-    .context("cannot open /dev/kmsg")?;
-    let mut messages = Vec::new();
-    let mut record = vec![0u8; 8192];
-    loop {
-        match rustix::io::read(&kmsg, &mut record) {
-            Ok(n) => {
-                // "prio,seq,usecs,flags;message\n", then continuation lines.
-                let text = String::from_utf8_lossy(&record[..n]);
-                let Some((head, message)) = text.split_once(';') else {
-                    continue;
-                };
-                let seq = head.split(',').nth(1).and_then(|s| s.parse().ok());
-                let message = message.lines().next().unwrap_or("").to_owned();
-                messages.push((seq.unwrap_or(0), message));
-            }
-            // A record was overwritten while reading; the next read goes on.
-            Err(Errno::PIPE) => continue,
-            Err(Errno::AGAIN) => break,
-            Err(e) => bail!("reading /dev/kmsg: {e}"),
-        }
-    }
-    Ok(messages)
 }
 
 /// Fails unless one of `messages` contains `text`.

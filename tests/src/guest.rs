@@ -207,3 +207,35 @@ pub fn skip_if_fgds_refuses() {
         Err(err) => crate::ktap::diag(format_args!("{err:#}")),
     }
 }
+
+/// Every message in the kernel's ring buffer (/dev/kmsg) with its sequence number, oldest
+/// first.
+pub fn kernel_log() -> anyhow::Result<Vec<(u64, String)>> {
+    let kmsg = rustix::fs::open(
+        "/dev/kmsg",
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NONBLOCK,
+        rustix::fs::Mode::empty(),
+    )
+    .context("cannot open /dev/kmsg")?;
+    let mut messages = Vec::new();
+    let mut record = vec![0u8; 8192];
+    loop {
+        match rustix::io::read(&kmsg, &mut record) {
+            Ok(n) => {
+                // "prio,seq,usecs,flags;message\n", then continuation lines.
+                let text = String::from_utf8_lossy(&record[..n]);
+                let Some((head, message)) = text.split_once(';') else {
+                    continue;
+                };
+                let seq = head.split(',').nth(1).and_then(|s| s.parse().ok());
+                let message = message.lines().next().unwrap_or("").to_owned();
+                messages.push((seq.unwrap_or(0), message));
+            }
+            // A record was overwritten while reading; the next read goes on.
+            Err(rustix::io::Errno::PIPE) => continue,
+            Err(rustix::io::Errno::AGAIN) => break,
+            Err(e) => bail!("reading /dev/kmsg: {e}"),
+        }
+    }
+    Ok(messages)
+}

@@ -48,12 +48,12 @@ pub enum KernelSpec {
     Debian { series: String },
     /// Built from Debian's `linux-source-X.Y` with `vm-images/configs/base.config`, plus
     /// `debug.config` (KASAN, lockdep, kmemleak, DMABUF_DEBUG, fault injection) if `debug`,
-    /// with the kernel change `vm-images/kernel-patches/<patch>/<series>.patch` applied if
-    /// `patch` names one.
+    /// with the kernel changes `vm-images/kernel-patches/<patch>/<series>.patch` that
+    /// `patches` names applied in that order.
     Build {
         series: String,
         debug: bool,
-        patch: Option<String>,
+        patches: Vec<String>,
     },
     /// A kernel tree the user configured and built (`make bzImage modules`).
     Path(PathBuf),
@@ -94,8 +94,8 @@ pub fn prepare(spec: &KernelSpec, cache_dir: &Path) -> anyhow::Result<Kernel> {
         KernelSpec::Build {
             series,
             debug,
-            patch,
-        } => build::prepare(series, *debug, patch.as_deref(), cache_dir),
+            patches,
+        } => build::prepare(series, *debug, patches, cache_dir),
         KernelSpec::Path(dir) => tree::prepare(dir, cache_dir),
     };
     res.with_context(|| format!("cannot prepare kernel {spec}"))
@@ -153,10 +153,10 @@ impl FromStr for KernelSpec {
     fn from_str(s: &str) -> anyhow::Result<KernelSpec> {
         const FORMS: &str = "accepted forms: `debian:X.Y` (Debian's prebuilt -amd64 kernel of \
                              series X.Y, e.g. debian:6.1, debian:6.12, debian:7.2, debian:7.3), \
-                             `build:X.Y[+debug][+PATCH]` (built from Debian's linux-source-X.Y \
+                             `build:X.Y[+debug][+PATCH...]` (built from Debian's linux-source-X.Y \
                              with the rig's config, e.g. build:6.12, build:7.2+debug, and with \
-                             a kernel change of vm-images/kernel-patches/, e.g. \
-                             build:7.2+p2pdma-folios) or `path:DIR` (a kernel tree built with \
+                             kernel changes of vm-images/kernel-patches/, e.g. \
+                             build:7.2+p2pdma-folios+p2pdma-merge) or `path:DIR` (a kernel tree built with \
                              `make bzImage modules`)";
         if let Some(series) = s.strip_prefix("debian:") {
             if !is_series(series) {
@@ -169,16 +169,18 @@ impl FromStr for KernelSpec {
         if let Some(rest) = s.strip_prefix("build:") {
             let mut parts = rest.split('+');
             let series = parts.next().unwrap_or_default();
-            let (mut debug, mut patch) = (false, None);
+            let (mut debug, mut patches) = (false, Vec::<String>::new());
             for flavour in parts {
                 match flavour {
-                    "debug" if !debug && patch.is_none() => debug = true,
-                    name if patch.is_none() && patch_names().iter().any(|p| p == name) => {
-                        patch = Some(name.to_owned())
+                    "debug" if !debug && patches.is_empty() => debug = true,
+                    name if !patches.iter().any(|p| p == name)
+                        && patch_names().iter().any(|p| p == name) =>
+                    {
+                        patches.push(name.to_owned())
                     }
                     _ => bail!(
                         "invalid kernel spec {s:?}: unknown or repeated variant +{flavour} \
-                         (+debug, then at most one kernel change of vm-images/kernel-patches/: \
+                         (+debug, then kernel changes of vm-images/kernel-patches/, each once: \
                          {}); {FORMS}",
                         patch_names().join(", ")
                     ),
@@ -190,7 +192,7 @@ impl FromStr for KernelSpec {
             return Ok(KernelSpec::Build {
                 series: series.to_owned(),
                 debug,
-                patch,
+                patches,
             });
         }
         if let Some(dir) = s.strip_prefix("path:") {
@@ -210,13 +212,10 @@ impl fmt::Display for KernelSpec {
             KernelSpec::Build {
                 series,
                 debug,
-                patch,
+                patches,
             } => {
                 write!(f, "build:{series}{}", if *debug { "+debug" } else { "" })?;
-                match patch {
-                    Some(patch) => write!(f, "+{patch}"),
-                    None => Ok(()),
-                }
+                patches.iter().try_for_each(|patch| write!(f, "+{patch}"))
             }
             KernelSpec::Path(dir) => write!(f, "path:{}", dir.display()),
         }
@@ -232,15 +231,15 @@ impl KernelSpec {
             KernelSpec::Build {
                 series,
                 debug,
-                patch,
+                patches,
             } => format!(
                 "build-{}{}{}",
                 sanitize(series),
                 if *debug { "-debug" } else { "" },
-                patch
-                    .as_deref()
+                patches
+                    .iter()
                     .map(|p| format!("-{}", sanitize(p)))
-                    .unwrap_or_default()
+                    .collect::<String>()
             ),
             KernelSpec::Path(dir) => {
                 let name = dir
@@ -435,7 +434,7 @@ mod tests {
             KernelSpec::Build {
                 series: "6.12".to_owned(),
                 debug: false,
-                patch: None,
+                patches: Vec::new(),
             }
         );
         assert_eq!(spec.to_string(), "build:6.12");
@@ -446,7 +445,7 @@ mod tests {
             KernelSpec::Build {
                 series: "7.2".to_owned(),
                 debug: true,
-                patch: None,
+                patches: Vec::new(),
             }
         );
         assert_eq!(spec.to_string(), "build:7.2+debug");
@@ -459,9 +458,17 @@ mod tests {
             KernelSpec::Build {
                 series: "7.2".to_owned(),
                 debug: false,
-                patch: Some("p2pdma-folios".to_owned()),
+                patches: vec!["p2pdma-folios".to_owned()],
             }
         );
+        let spec: KernelSpec = "build:7.2+p2pdma-folios+p2pdma-merge".parse().unwrap();
+        assert_eq!(spec.to_string(), "build:7.2+p2pdma-folios+p2pdma-merge");
+        assert_eq!(spec.slug(), "build-7.2-p2pdma-folios-p2pdma-merge");
+        let err = "build:7.2+p2pdma-folios+p2pdma-folios"
+            .parse::<KernelSpec>()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("repeated"), "{err}");
         assert_eq!(
             "build:6.12+debug".parse::<KernelSpec>().unwrap().slug(),
             "build-6.12-debug"
@@ -509,7 +516,7 @@ mod tests {
             let err = bad.parse::<KernelSpec>().unwrap_err().to_string();
             assert!(
                 err.contains("debian:X.Y")
-                    && err.contains("build:X.Y[+debug][+PATCH]")
+                    && err.contains("build:X.Y[+debug][+PATCH...]")
                     && err.contains("path:DIR"),
                 "{bad}: {err}"
             );

@@ -102,10 +102,10 @@ enum Has {
 }
 
 impl Has {
-    fn holds(self, series: (u32, u32), patch: Option<&str>) -> bool {
+    fn holds(self, series: (u32, u32), patches: &[String]) -> bool {
         match self {
             Has::Since(major, minor) => series >= (major, minor),
-            Has::Patch(name) => patch == Some(name),
+            Has::Patch(name) => patches.iter().any(|p| p == name),
         }
     }
 
@@ -138,11 +138,11 @@ pub fn probes_outcome(label: &str, kernel: &Kernel, build: &Build) -> Outcome {
     let verdict = match std::fs::read_to_string(&build.config) {
         Err(err) => Verdict::Fail(format!("cannot read {}: {err}", build.config.display())),
         Ok(config) => {
-            let patch = match kernel.spec.parse::<KernelSpec>() {
-                Ok(KernelSpec::Build { patch, .. }) => patch,
-                _ => None,
+            let patches = match kernel.spec.parse::<KernelSpec>() {
+                Ok(KernelSpec::Build { patches, .. }) => patches,
+                _ => Vec::new(),
             };
-            let wrong = probe_mismatches(&config, series, patch.as_deref());
+            let wrong = probe_mismatches(&config, series, &patches);
             if wrong.is_empty() {
                 Verdict::Pass
             } else {
@@ -166,7 +166,7 @@ fn release_series(release: &str) -> Option<(u32, u32)> {
 
 /// The probes whose result in `config` (a generated fgds_config.h) is not what [`PROBES`]
 /// says for `series` with the kernel change `patch`.
-fn probe_mismatches(config: &str, series: (u32, u32), patch: Option<&str>) -> Vec<String> {
+fn probe_mismatches(config: &str, series: (u32, u32), patches: &[String]) -> Vec<String> {
     PROBES
         .iter()
         .filter_map(|(name, has)| {
@@ -174,7 +174,7 @@ fn probe_mismatches(config: &str, series: (u32, u32), patch: Option<&str>) -> Ve
             let found = config
                 .lines()
                 .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["#define", &macro_name, "1"]);
-            let expected = has.holds(series, patch);
+            let expected = has.holds(series, patches);
             (found != expected).then(|| {
                 format!(
                     "{macro_name} is {}, expected {} ({})",
@@ -473,16 +473,16 @@ mod tests {
             .iter()
             .map(|(n, _)| format!("#define FGDS_HAVE_{n} 1\n"))
             .collect::<String>();
-        assert!(probe_mismatches(&all, (7, 3), Some("p2pdma-folios")).is_empty());
-        let wrong = probe_mismatches(&all, (7, 3), None);
+        assert!(probe_mismatches(&all, (7, 3), &["p2pdma-folios".to_owned()]).is_empty());
+        let wrong = probe_mismatches(&all, (7, 3), &[]);
         assert_eq!(wrong.len(), 1, "{wrong:?}");
         assert!(wrong[0].contains("P2PDMA_ADD_RESOURCE_FOLIOS is set, expected unset (with the"));
-        let wrong = probe_mismatches(&all, (6, 12), None);
+        let wrong = probe_mismatches(&all, (6, 12), &[]);
         assert_eq!(wrong.len(), 7, "{wrong:?}");
         assert!(wrong[0].starts_with("FGDS_HAVE_MODULE_IMPORT_NS_STRING is set, expected unset"));
         let none = "/* FGDS_HAVE_VM_FLAGS_SET: no */\n";
-        assert_eq!(probe_mismatches(none, (6, 1), None), Vec::<String>::new());
-        assert_eq!(probe_mismatches(none, (7, 2), None).len(), PROBES.len() - 1);
+        assert_eq!(probe_mismatches(none, (6, 1), &[]), Vec::<String>::new());
+        assert_eq!(probe_mismatches(none, (7, 2), &[]).len(), PROBES.len() - 1);
     }
 
     #[test]

@@ -414,7 +414,7 @@ impl RunConfig {
             When::Mode(modes) => mode(self).is_ok_and(|m| modes.contains(&m)),
             When::Unpatched(name) => !matches!(
                 self.kernel.parse::<KernelSpec>(),
-                Ok(KernelSpec::Build { patch: Some(p), .. }) if p == name
+                Ok(KernelSpec::Build { patches, .. }) if patches.iter().any(|p| p == name)
             ),
         }
     }

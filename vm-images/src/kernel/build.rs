@@ -1,4 +1,4 @@
-//! `build:X.Y[+debug][+PATCH]`: a guest kernel built from Debian's `linux-source-X.Y` with the
+//! `build:X.Y[+debug][+PATCH...]`: a guest kernel built from Debian's `linux-source-X.Y` with the
 //! rig's config fragments (`vm-images/configs/`) and, for `+PATCH`, a kernel change of
 //! `vm-images/kernel-patches/PATCH/X.Y.patch` applied to a copy of the tree (hard links, so
 //! the copy costs seconds), cached by version and a hash of everything that changes the result.
@@ -62,15 +62,16 @@ const KBUILD_ENV: &[&str] = &[
 pub(super) fn prepare(
     series: &str,
     debug: bool,
-    patch: Option<&str>,
+    patches: &[String],
     cache_dir: &Path,
 ) -> anyhow::Result<Kernel> {
     let spec = KernelSpec::Build {
         series: series.to_owned(),
         debug,
-        patch: patch.map(str::to_owned),
+        patches: patches.to_vec(),
     };
-    let patch = patch
+    let patches = patches
+        .iter()
         .map(|name| {
             let path = super::kernel_patches_dir()
                 .join(name)
@@ -82,9 +83,13 @@ pub(super) fn prepare(
                     patched_series(name)
                 )
             })?;
-            anyhow::Ok((name, path, text))
+            anyhow::Ok(Patch {
+                name: name.as_str(),
+                path,
+                text,
+            })
         })
-        .transpose()?;
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let host_log = cache_dir.join("host-packages.log");
     host::ensure(host::UNPACK, &host_log)?;
     host::ensure(host::BUILD, &host_log)?;
@@ -97,8 +102,8 @@ pub(super) fn prepare(
     for fragment in &fragments {
         parts.extend([fragment.name, fragment.text]);
     }
-    if let Some((name, _, text)) = &patch {
-        parts.extend([*name, text.as_str()]);
+    for patch in &patches {
+        parts.extend([patch.name, patch.text.as_str()]);
     }
     let key = kconfig::cache_key(&parts);
 
@@ -127,8 +132,8 @@ pub(super) fn prepare(
         count_file: kernels.join(format!("{}.cc-count", spec.slug())),
     };
     let mut src = source::unpack(&apt, cache_dir, &package, &version)?;
-    if let Some((name, path, _)) = &patch {
-        src = patched_tree(&src, &root, name, path, &job.log)?;
+    if !patches.is_empty() {
+        src = patched_tree(&src, &root, &patches, &job.log)?;
     }
     job.build(&src).with_context(|| {
         format!(
@@ -156,15 +161,21 @@ fn patched_series(name: &str) -> String {
     }
 }
 
-/// A copy of `src` with the kernel change at `patch` applied: `<root>.src/linux`, hard links to
-/// the unpacked tree (GNU patch replaces a file it changes, so the original stays as it was),
-/// made again from scratch unless a marker says it is complete. Beside the build's root, which
-/// a fresh configuration empties.
+/// A kernel change to apply: its name, its patch for the series and the patch's text.
+struct Patch<'a> {
+    name: &'a str,
+    path: PathBuf,
+    text: String,
+}
+
+/// A copy of `src` with the kernel changes `patches` applied in order: `<root>.src/linux`, hard
+/// links to the unpacked tree (GNU patch replaces a file it changes, so the original stays as
+/// it was), made again from scratch unless a marker says it is complete. Beside the build's
+/// root, which a fresh configuration empties.
 fn patched_tree(
     src: &Path,
     root: &Path,
-    name: &str,
-    patch: &Path,
+    patches: &[Patch<'_>],
     log: &Path,
 ) -> anyhow::Result<PathBuf> {
     let dir = with_suffix(root, ".src");
@@ -174,19 +185,23 @@ fn patched_tree(
     }
     remove_dir_all_if_exists(&dir)?;
     fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    eprintln!("applying the kernel change {name} ({})", patch.display());
     let sh = Shell::new()?;
     run_logged(cmd!(sh, "cp -al {src} {tree}"), log)?;
     sh.change_dir(&tree);
-    run_logged(cmd!(sh, "patch -p1 --forward --batch -i {patch}"), log).with_context(|| {
-        format!(
-            "{} does not apply to {}: see {}",
-            patch.display(),
-            src.display(),
-            log.display()
-        )
-    })?;
-    fs::write(&marker, name).with_context(|| format!("cannot write {}", marker.display()))?;
+    for Patch { name, path, .. } in patches {
+        eprintln!("applying the kernel change {name} ({})", path.display());
+        run_logged(cmd!(sh, "patch -p1 --forward --batch -i {path}"), log).with_context(|| {
+            format!(
+                "{} does not apply to {} with the changes before it: see {}",
+                path.display(),
+                src.display(),
+                log.display()
+            )
+        })?;
+    }
+    let names: Vec<_> = patches.iter().map(|p| p.name).collect();
+    fs::write(&marker, names.join("+"))
+        .with_context(|| format!("cannot write {}", marker.display()))?;
     Ok(tree)
 }
 
