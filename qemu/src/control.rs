@@ -34,6 +34,11 @@ use crate::qmp;
 /// How long an unplug may take before the request fails.
 pub const UNPLUG_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long an unplug request waits before it is made again. QEMU lets a request be repeated
+/// once 5 s have passed (`pending_deleted_expires_ms`), for a guest that missed the ACPI
+/// notification; a guest that got it but is still removing the device ignores the repeat.
+const UNPLUG_REPEAT: Duration = Duration::from_secs(10);
+
 /// The host end of the channel, serving requests until the machine stops.
 pub struct Server {
     stop: Arc<AtomicBool>,
@@ -177,11 +182,7 @@ fn execute(
 ) -> anyhow::Result<String> {
     let (verb, rest) = request.split_once(' ').unwrap_or((request, ""));
     match verb {
-        "device_del" => {
-            session.device_del(rest.trim())?;
-            session.wait_device_deleted(rest.trim(), UNPLUG_TIMEOUT)?;
-            Ok("DEVICE_DELETED".to_owned())
-        }
+        "device_del" => device_del(session, rest.trim()),
         "device_add" => Ok(session
             .hmp(&format!("device_add {}", rest.trim()))?
             .replace('\n', " ")),
@@ -263,6 +264,33 @@ pub fn gpu_check(backing: &Path, bytes: u64, args: &str) -> anyhow::Result<Strin
         done += n as u64;
     }
     Ok(format!("{len:#x} bytes at {offset:#x} hold the pattern"))
+}
+
+/// Asks QEMU to unplug `id` and waits up to [`UNPLUG_TIMEOUT`] for `DEVICE_DELETED`, asking
+/// again every [`UNPLUG_REPEAT`]; the reply says how many times it asked.
+fn device_del(session: &mut qmp::Session, id: &str) -> anyhow::Result<String> {
+    let deadline = Instant::now() + UNPLUG_TIMEOUT;
+    let mut asked = 0;
+    loop {
+        match session.device_del(id) {
+            Ok(()) => {}
+            // A repeat while QEMU still counts the first as recent is refused; the wait goes on.
+            Err(_) if asked > 0 => {}
+            Err(err) => return Err(err),
+        }
+        asked += 1;
+        let left = deadline.saturating_duration_since(Instant::now());
+        match session.wait_device_deleted(id, left.min(UNPLUG_REPEAT)) {
+            Ok(()) if asked == 1 => return Ok("DEVICE_DELETED".to_owned()),
+            Ok(()) => return Ok(format!("DEVICE_DELETED (asked {asked} times)")),
+            Err(_) if left > UNPLUG_REPEAT => {}
+            Err(_) => anyhow::bail!(
+                "no DEVICE_DELETED for {id} within {} s, asked {asked} times: the guest did not \
+                 finish removing it (see the guest's kernel log)",
+                UNPLUG_TIMEOUT.as_secs()
+            ),
+        }
+    }
 }
 
 #[cfg(test)]
