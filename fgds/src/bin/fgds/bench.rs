@@ -494,6 +494,9 @@ fn make_target(mode: &str, opts: &Options, len: usize, write: bool) -> anyhow::R
     match mode {
         "ram" => Ok(Target::Ram(ram(len)?)),
         "direct" => {
+            // Whole 2 MiB, as `ram` gets: GPU memory comes in large allocations, and fgds maps
+            // a buffer's aligned 2 MiB with PMDs, a smaller one 4 KiB at a time.
+            let len = len.next_multiple_of(HUGE_PAGE);
             let (gpu, dmabuf) = crate::resolve(&opts.source, len as u64)?;
             Ok(Target::Direct {
                 buffer: gpu.register(dmabuf.fd(), 0, len as u64)?,
@@ -525,7 +528,7 @@ fn make_target(mode: &str, opts: &Options, len: usize, write: bool) -> anyhow::R
             };
             Ok(Target::Bounce { gpu, ram })
         }
-        "p2pmem" => p2pmem(opts, len).map(Target::P2pmem),
+        "p2pmem" => p2pmem(opts, len.next_multiple_of(HUGE_PAGE)).map(Target::P2pmem),
         _ => unreachable!("modes are checked in run"),
     }
 }
