@@ -58,9 +58,7 @@ pub fn request(line: &str) -> anyhow::Result<String> {
 /// When the host gives up waiting, the error carries what the guest was doing: the kernel's
 /// messages since the request, with the stacks of its blocked tasks (sysrq `w`).
 pub fn device_del(id: &str) -> anyhow::Result<()> {
-    let mark = crate::guest::kernel_log()
-        .ok()
-        .and_then(|log| log.last().map(|(seq, _)| *seq));
+    let mark = crate::guest::kernel_log_mark().ok();
     request(&format!("device_del {id}"))
         .map(drop)
         .map_err(|err| match mark {
@@ -77,15 +75,10 @@ fn removal_snapshot(mark: u64) -> String {
         .err()
         .map(|e| format!(" (sysrq w failed: {e})"))
         .unwrap_or_default();
-    let log = match crate::guest::kernel_log() {
-        Ok(log) => log,
+    let lines = match crate::guest::kernel_log_since(mark) {
+        Ok(lines) => lines,
         Err(e) => return format!("the guest's kernel log: {e:#}"),
     };
-    let lines: Vec<_> = log
-        .into_iter()
-        .filter(|(seq, _)| *seq > mark)
-        .map(|(_, message)| message)
-        .collect();
     let skip = lines.len().saturating_sub(SNAPSHOT_LINES);
     format!(
         "the guest's kernel log since the request{sysrq}, last {} of {} lines:\n{}",

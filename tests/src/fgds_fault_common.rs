@@ -176,22 +176,6 @@ pub fn load_fgds_with(params: &str) -> anyhow::Result<Result<(), Errno>> {
     ))
 }
 
-/// The kernel log's sequence number now: `kernel_log_since(mark)` returns the messages logged
-/// after `mark = kernel_log_mark()`.
-pub fn kernel_log_mark() -> anyhow::Result<u64> {
-    Ok(fgds_tests::guest::kernel_log()?
-        .last()
-        .map_or(0, |(seq, _)| *seq))
-}
-
-pub fn kernel_log_since(mark: u64) -> anyhow::Result<Vec<String>> {
-    Ok(fgds_tests::guest::kernel_log()?
-        .into_iter()
-        .filter(|(seq, _)| *seq > mark)
-        .map(|(_, message)| message)
-        .collect())
-}
-
 /// Fails unless one of `messages` contains `text`.
 pub fn expect_logged(messages: &[String], text: &str) -> anyhow::Result<()> {
     if messages.iter().any(|m| m.contains(text)) {

@@ -84,10 +84,6 @@ pub fn rig_modules() -> anyhow::Result<Vec<(String, String)>> {
         .collect())
 }
 
-/// The fgds mode (sysfs `mode`: `generic`, `p2pdma`, `exporter-p2pdma` or `refused`) that the
-/// run's configuration implies, from the host's expected-outcome table
-/// (xtask/src/expected.rs), never from the driver itself: the init sets `FGDS_EXPECTED_MODE`
-/// from the plan.
 /// Whether the kernel makes P2PDMA pages 2 MiB folios for fgds (`pci_p2pdma_add_resource_folios()`,
 /// the rig's kernel change p2pdma-folios), from its symbols rather than from the driver.
 pub fn has_p2pdma_folios() -> anyhow::Result<bool> {
@@ -97,6 +93,10 @@ pub fn has_p2pdma_folios() -> anyhow::Result<bool> {
         .any(|l| l.ends_with(" pci_p2pdma_add_resource_folios")))
 }
 
+/// The fgds mode (sysfs `mode`: `generic`, `p2pdma`, `exporter-p2pdma` or `refused`) that the
+/// run's configuration implies, from the host's expected-outcome table
+/// (xtask/src/expected.rs), never from the driver itself: the init sets `FGDS_EXPECTED_MODE`
+/// from the plan.
 pub fn expected_mode() -> anyhow::Result<String> {
     std::env::var("FGDS_EXPECTED_MODE").context(
         "FGDS_EXPECTED_MODE is not set: run inside the rig (cargo xtask test-vm), which sets it \
@@ -208,9 +208,24 @@ pub fn skip_if_fgds_refuses() {
     }
 }
 
+/// The kernel log's sequence number now: `kernel_log_since(mark)` returns the messages logged
+/// after `mark = kernel_log_mark()`.
+pub fn kernel_log_mark() -> anyhow::Result<u64> {
+    Ok(kernel_log()?.last().map_or(0, |(seq, _)| *seq))
+}
+
+/// The kernel's messages logged after `mark` ([`kernel_log_mark`]), oldest first.
+pub fn kernel_log_since(mark: u64) -> anyhow::Result<Vec<String>> {
+    Ok(kernel_log()?
+        .into_iter()
+        .filter(|(seq, _)| *seq > mark)
+        .map(|(_, message)| message)
+        .collect())
+}
+
 /// Every message in the kernel's ring buffer (/dev/kmsg) with its sequence number, oldest
 /// first.
-pub fn kernel_log() -> anyhow::Result<Vec<(u64, String)>> {
+fn kernel_log() -> anyhow::Result<Vec<(u64, String)>> {
     let kmsg = rustix::fs::open(
         "/dev/kmsg",
         rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NONBLOCK,

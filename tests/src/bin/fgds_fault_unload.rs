@@ -139,14 +139,14 @@ fn pages_parameter_checked() -> CaseResult {
         .collect::<Vec<_>>()
         .join(" ");
     let result = (|| -> anyhow::Result<()> {
-        let mark = fault::kernel_log_mark()?;
+        let mark = fgds_tests::guest::kernel_log_mark()?;
         match fault::load_fgds_with(&format!("{others} pages=huge"))? {
             Err(Errno::INVAL) => {}
             Ok(()) => bail!("fgds loaded with pages=huge"),
             Err(e) => bail!("loading fgds with pages=huge: {e}, want EINVAL"),
         }
         fault::expect_logged(
-            &fault::kernel_log_since(mark)?,
+            &fgds_tests::guest::kernel_log_since(mark)?,
             "fgds: pages=huge: expected auto, p2pdma or generic",
         )?;
 
@@ -155,7 +155,7 @@ fn pages_parameter_checked() -> CaseResult {
         fault::wait_until("the fgds node", Duration::from_secs(10), || {
             Ok(common::node_path().is_ok())
         })?;
-        let mark = fault::kernel_log_mark()?;
+        let mark = fgds_tests::guest::kernel_log_mark()?;
         let node = common::open_node()?;
         let vgpu = common::vgpu()?;
         let (dmabuf, _) = common::alloc(&vgpu, common::PAGE)?;
@@ -182,7 +182,7 @@ fn pages_parameter_checked() -> CaseResult {
                 common::sysfs("mode")?
             );
             fault::expect_logged(
-                &fault::kernel_log_since(mark)?,
+                &fgds_tests::guest::kernel_log_since(mark)?,
                 "fgds: pages=p2pdma, but the kernel has no CONFIG_PCI_P2PDMA; load fgds with pages=auto",
             )?;
         }

@@ -538,7 +538,7 @@ fn chaos(
         },
     )
     .with_context(|| format!("{op}: a revocation did not end"))?;
-    let mark = fault::kernel_log_mark()?;
+    let mark = fgds_tests::guest::kernel_log_mark()?;
     ktap::diag(format_args!(
         "{op} at {:.3} s, epoch {}",
         uptime(),
@@ -602,7 +602,7 @@ fn chaos(
             Ok(())
         }
         Err(err) => {
-            let log = fault::kernel_log_since(mark).unwrap_or_default();
+            let log = fgds_tests::guest::kernel_log_since(mark).unwrap_or_default();
             let tail = log[log.len().saturating_sub(30)..].join("\n");
             bail!("{op}: {err:#}\nthe kernel logged:\n{tail}")
         }

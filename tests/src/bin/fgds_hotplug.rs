@@ -34,7 +34,7 @@ fn main() {
 
 /// Kernel log lines about the GPU's removal since `mark`: what to read when a step times out.
 fn removal_log(mark: u64) -> String {
-    let lines = fault::kernel_log_since(mark).unwrap_or_default();
+    let lines = fgds_tests::guest::kernel_log_since(mark).unwrap_or_default();
     let lines: Vec<_> = lines
         .iter()
         .filter(|l| {
@@ -113,7 +113,7 @@ fn unplug_with_live_mapping() -> CaseResult {
     let nvme = common::nvme(false)?;
     common::pread_raw(&nvme, map.ptr, len as usize, 0).context("I/O before unplug")?;
     drop(vgpu);
-    let mark = fault::kernel_log_mark()?;
+    let mark = fgds_tests::guest::kernel_log_mark()?;
     if let Err(err) = unplug(&path, mark) {
         return Err(match replug_and_check(&path, mark) {
             Ok(()) => err,
@@ -180,7 +180,7 @@ fn unplug_during_io() -> CaseResult {
         }
     });
     std::thread::sleep(Duration::from_millis(300));
-    let mark = fault::kernel_log_mark()?;
+    let mark = fgds_tests::guest::kernel_log_mark()?;
     let unplugged = unplug(&path, mark);
     if unplugged.is_err() {
         stop.store(true, std::sync::atomic::Ordering::Relaxed);

@@ -687,7 +687,7 @@ fn teardown_past_its_deadline_keeps_waiting() -> CaseResult {
     drop((vgpu, dmabuf));
     let map = Map::shared(&node, idx, LEN as usize)?;
     let (bp, reader) = held_read(&map, LEN as usize, 0)?;
-    let mark = fault::kernel_log_mark()?;
+    let mark = fgds_tests::guest::kernel_log_mark()?;
     fault::host_log("fgds_revoke: unbind vgpu with a read held in flight, past revoke_timeout_ms")?;
     let unbinder = {
         let (bdf, drv) = (bdf.clone(), drv.clone());
@@ -696,7 +696,7 @@ fn teardown_past_its_deadline_keeps_waiting() -> CaseResult {
     std::thread::sleep(HOLD);
     let waiting = !unbinder.is_finished();
     let mode_meanwhile = common::sysfs("mode")?;
-    let log = fault::kernel_log_since(mark)?;
+    let log = fgds_tests::guest::kernel_log_since(mark)?;
     bp.resume()?;
     let read = join(reader, "read")?;
     let unbound = join(unbinder, "unbound");

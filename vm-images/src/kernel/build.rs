@@ -1,5 +1,5 @@
 //! `build:X.Y[+debug][+PATCH...]`: a guest kernel built from Debian's `linux-source-X.Y` with the
-//! rig's config fragments (`vm-images/configs/`) and, for `+PATCH`, a kernel change of
+//! rig's config fragments (`vm-images/configs/`) and, for each `+PATCH` in order, the kernel change
 //! `vm-images/kernel-patches/PATCH/X.Y.patch` applied to a copy of the tree (hard links, so
 //! the copy costs seconds), cached by version and a hash of everything that changes the result.
 //!
