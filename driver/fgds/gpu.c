@@ -736,38 +736,61 @@ int fgds_gpu_check_range(struct fgds_gpu *gpu, pgoff_t bar_pg, pgoff_t n)
 	return 0;
 }
 
-/* Exporter's pages: neither ->mapping nor ->index is fgds's to touch. */
-static void fgds_hold_put_one(struct fgds_gpu *gpu, pgoff_t pg)
+/*
+ * Exporter's pages: counts one registration more (@get) or less on each page
+ * of a run, taking fgds's reference on a page whose count leaves zero and
+ * giving it back when it returns there; neither ->mapping nor ->index is
+ * fgds's to touch. The xarray is walked once along the run rather than from
+ * its root per page, its lock let go every XA_CHECK_SCHED pages.
+ *
+ * Return: pages counted from @first; fewer than @n only when getting, with
+ * *@err set (-ENOMEM).
+ */
+static pgoff_t fgds_holds_count_run(struct fgds_gpu *gpu, pgoff_t first,
+				    pgoff_t n, bool get, int *err)
 {
-	void *entry = xa_load(&gpu->holds, pg);
-	unsigned long n = entry ? xa_to_value(entry) : 0;
+	XA_STATE(xas, &gpu->holds, first);
+	unsigned long cnt, new;
+	struct folio *folio;
+	pgoff_t done = 0;
+	void *entry;
 
-	if (WARN_ON_ONCE(!n))
-		return;
-	if (n > 1) {
-		xa_store(&gpu->holds, pg, xa_mk_value(n - 1), GFP_KERNEL);
-		return;
+	*err = 0;
+	while (done < n) {
+		xas_set(&xas, first + done);
+		xas_lock(&xas);
+		entry = xas_load(&xas);
+		for (;;) {
+			cnt = entry ? xa_to_value(entry) : 0;
+			if (WARN_ON_ONCE(!get && !cnt))
+				goto next;
+			new = get ? cnt + 1 : cnt - 1;
+			xas_store(&xas, new ? xa_mk_value(new) : NULL);
+			if (xas_error(&xas))
+				break;
+			folio = page_folio(fgds_gpu_page(gpu, first + done));
+			if (!cnt) {
+				folio_ref_inc(folio);
+				gpu->nr_held++;
+			} else if (!new) {
+				/* Never folio_put(): a P2PDMA page would go back to its pool. */
+				folio_ref_dec(folio);
+				gpu->nr_held--;
+			}
+next:
+			if (++done == n || !(done % XA_CHECK_SCHED))
+				break;
+			entry = xas_next(&xas);
+		}
+		xas_unlock(&xas);
+		if (xas_nomem(&xas, GFP_KERNEL))
+			continue;
+		*err = xas_error(&xas);
+		if (*err)
+			break;
+		cond_resched();
 	}
-	xa_erase(&gpu->holds, pg);
-	/* Never folio_put(): a P2PDMA page would go back to its pool. */
-	folio_ref_dec(page_folio(fgds_gpu_page(gpu, pg)));
-	gpu->nr_held--;
-}
-
-static int fgds_hold_get_one(struct fgds_gpu *gpu, pgoff_t pg)
-{
-	void *entry = xa_load(&gpu->holds, pg);
-	unsigned long n = entry ? xa_to_value(entry) : 0;
-	int ret;
-
-	ret = xa_err(xa_store(&gpu->holds, pg, xa_mk_value(n + 1), GFP_KERNEL));
-	if (ret)
-		return ret;
-	if (!n) {
-		folio_ref_inc(page_folio(fgds_gpu_page(gpu, pg)));
-		gpu->nr_held++;
-	}
-	return 0;
+	return done;
 }
 
 static void fgds_holds_put_locked(struct fgds_gpu *gpu,
@@ -775,15 +798,15 @@ static void fgds_holds_put_locked(struct fgds_gpu *gpu,
 				  unsigned int nr_ext)
 {
 	unsigned int e;
-	pgoff_t i;
+	int err;
 
 	if (fgds_owns_pages(gpu)) {
 		gpu->nr_held--;
 		return;
 	}
 	for (e = 0; e < nr_ext; e++)
-		for (i = 0; i < ext[e].npages; i++)
-			fgds_hold_put_one(gpu, ext[e].bar_pg + i);
+		fgds_holds_count_run(gpu, ext[e].bar_pg, ext[e].npages, false,
+				     &err);
 }
 
 /**
@@ -801,8 +824,9 @@ int fgds_holds_get(struct fgds_gpu *gpu, const struct fgds_extent *ext,
 		   unsigned int nr_ext)
 {
 	unsigned int e;
-	pgoff_t i = 0;
+	pgoff_t done;
 	int ret = 0;
+	int err;
 
 	mutex_lock(&gpu->holds_lock);
 	if (fgds_owns_pages(gpu)) {
@@ -811,19 +835,15 @@ int fgds_holds_get(struct fgds_gpu *gpu, const struct fgds_extent *ext,
 		return 0;
 	}
 	for (e = 0; e < nr_ext; e++) {
-		for (i = 0; i < ext[e].npages; i++) {
-			ret = fgds_hold_get_one(gpu, ext[e].bar_pg + i);
-			if (ret)
-				goto unwind;
+		done = fgds_holds_count_run(gpu, ext[e].bar_pg, ext[e].npages,
+					    true, &ret);
+		if (ret) {
+			fgds_holds_count_run(gpu, ext[e].bar_pg, done, false,
+					     &err);
+			fgds_holds_put_locked(gpu, ext, e);
+			break;
 		}
 	}
-	mutex_unlock(&gpu->holds_lock);
-	return 0;
-
-unwind:
-	while (i--)
-		fgds_hold_put_one(gpu, ext[e].bar_pg + i);
-	fgds_holds_put_locked(gpu, ext, e);
 	mutex_unlock(&gpu->holds_lock);
 	return ret;
 }

@@ -31,8 +31,13 @@ use std::time::{Duration, Instant};
 
 use crate::qmp;
 
-/// How long an unplug may take before the request fails.
-pub const UNPLUG_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long an unplug may take before the request fails: longer than the guest's NVMe driver
+/// takes to recover requests a drive never completes (`nvme_core.io_timeout`, 30 s, then an
+/// abort; a second 30 s, then a controller reset that retries them). With QEMU 7.2, a removal
+/// during I/O into or out of the device being removed now and then waits for that recovery: the
+/// drive leaves requests in flight until the guest's timeout cancels them (docs/architecture.md,
+/// Hot-unplug during I/O). The tests say how long each removal took.
+pub const UNPLUG_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// How long an unplug request waits before it is made again. QEMU lets a request be repeated
 /// once 5 s have passed (`pending_deleted_expires_ms`), for a guest that missed the ACPI

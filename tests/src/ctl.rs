@@ -17,8 +17,9 @@ pub const GPU_ID: &str = "gpu0";
 /// The QEMU device id of the NVMe controller.
 pub const NVME_ID: &str = "nvme0";
 
-/// How long a request waits for the port while another process holds it open.
-const PORT_WAIT: Duration = Duration::from_secs(60);
+/// How long a request waits for the port while another process holds it open: longer than an
+/// unplug may take (`fgds_qemu::control::UNPLUG_TIMEOUT`, 90 s).
+const PORT_WAIT: Duration = Duration::from_secs(120);
 
 /// Sends one request and returns the detail of its `ok` reply; an `error` reply fails with the
 /// host's reason. The host logs both in the run's `faults.log`.

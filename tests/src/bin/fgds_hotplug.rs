@@ -65,7 +65,9 @@ fn wait_for(
 
 /// Unplugs the GPU and waits for its fgds node to go.
 fn unplug(node: &Path, mark: u64) -> anyhow::Result<()> {
+    let start = std::time::Instant::now();
     ctl::device_del(ctl::GPU_ID)?;
+    ktap::diag(format_args!("device_del took {:?}", start.elapsed()));
     wait_for("the fgds node to go", Duration::from_secs(30), mark, || {
         !node.exists()
     })
