@@ -793,20 +793,26 @@ next:
 	return done;
 }
 
+/* Putting never allocates, so never fails. */
+static void fgds_holds_put_run(struct fgds_gpu *gpu, pgoff_t first, pgoff_t n)
+{
+	int err;
+
+	fgds_holds_count_run(gpu, first, n, false, &err);
+}
+
 static void fgds_holds_put_locked(struct fgds_gpu *gpu,
 				  const struct fgds_extent *ext,
 				  unsigned int nr_ext)
 {
 	unsigned int e;
-	int err;
 
 	if (fgds_owns_pages(gpu)) {
 		gpu->nr_held--;
 		return;
 	}
 	for (e = 0; e < nr_ext; e++)
-		fgds_holds_count_run(gpu, ext[e].bar_pg, ext[e].npages, false,
-				     &err);
+		fgds_holds_put_run(gpu, ext[e].bar_pg, ext[e].npages);
 }
 
 /**
@@ -826,7 +832,6 @@ int fgds_holds_get(struct fgds_gpu *gpu, const struct fgds_extent *ext,
 	unsigned int e;
 	pgoff_t done;
 	int ret = 0;
-	int err;
 
 	mutex_lock(&gpu->holds_lock);
 	if (fgds_owns_pages(gpu)) {
@@ -838,8 +843,7 @@ int fgds_holds_get(struct fgds_gpu *gpu, const struct fgds_extent *ext,
 		done = fgds_holds_count_run(gpu, ext[e].bar_pg, ext[e].npages,
 					    true, &ret);
 		if (ret) {
-			fgds_holds_count_run(gpu, ext[e].bar_pg, done, false,
-					     &err);
+			fgds_holds_put_run(gpu, ext[e].bar_pg, done);
 			fgds_holds_put_locked(gpu, ext, e);
 			break;
 		}
