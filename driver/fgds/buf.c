@@ -140,6 +140,7 @@ void fgds_buf_free(struct fgds_buf *buf)
 	if (buf->vm_id > 0)
 		ida_free(&fgds_vm_ida, buf->vm_id);
 	put_device(&buf->gpu->dev);
+	fgds_buf_users_exit(buf);
 	kvfree(buf->ext);
 	kfree(buf);
 }
@@ -451,6 +452,10 @@ static struct fgds_buf *fgds_buf_alloc(struct fgds_file *f, u64 size)
 	buf = kzalloc(sizeof(*buf), GFP_KERNEL);
 	if (!buf)
 		return NULL;
+	if (fgds_buf_users_init(buf)) {
+		kfree(buf);
+		return NULL;
+	}
 	kref_init(&buf->ref);
 	init_rwsem(&buf->lock);
 	INIT_LIST_HEAD(&buf->gpu_node);
@@ -616,6 +621,28 @@ static long fgds_ioctl(struct file *filp, unsigned int cmd, unsigned long arg)
 	default:
 		return -ENOTTY;
 	}
+}
+
+/**
+ * fgds_file_buf_get() - a registration of an open file, by token
+ * @f: the open file
+ * @id: the token in pages (token >> PAGE_SHIFT)
+ *
+ * Return: the registration with a reference held, or NULL if @f has none
+ * with this token.
+ */
+struct fgds_buf *fgds_file_buf_get(struct fgds_file *f, unsigned long id)
+{
+	struct fgds_buf *buf = NULL;
+
+	if (id <= U32_MAX) {
+		mutex_lock(&f->lock);
+		buf = xa_load(&f->bufs, id);
+		if (buf)
+			kref_get(&buf->ref);
+		mutex_unlock(&f->lock);
+	}
+	return buf;
 }
 
 static vm_fault_t fgds_errno_to_fault(int err)
@@ -830,18 +857,12 @@ static const struct vm_operations_struct fgds_vm_ops_wp = {
 static int fgds_mmap(struct file *filp, struct vm_area_struct *vma)
 {
 	struct fgds_file *f = filp->private_data;
-	struct fgds_buf *buf = NULL;
+	struct fgds_buf *buf;
 	int ret;
 
 	if (!(vma->vm_flags & VM_SHARED))
 		return -EINVAL;
-	if (vma->vm_pgoff <= U32_MAX) {
-		mutex_lock(&f->lock);
-		buf = xa_load(&f->bufs, vma->vm_pgoff);
-		if (buf)
-			kref_get(&buf->ref);
-		mutex_unlock(&f->lock);
-	}
+	buf = fgds_file_buf_get(f, vma->vm_pgoff);
 	if (!buf)
 		return -ENOENT;
 
@@ -964,6 +985,9 @@ const struct file_operations fgds_fops = {
 	.unlocked_ioctl = fgds_ioctl,
 	.compat_ioctl = compat_ptr_ioctl,
 	.mmap = fgds_mmap,
+#ifdef FGDS_HAVE_IO_BUFFER_REGISTER_KBUF
+	.uring_cmd = fgds_uring_cmd,
+#endif
 #ifdef FGDS_FOLIO_PMD
 	.get_unmapped_area = fgds_get_unmapped_area,
 #endif

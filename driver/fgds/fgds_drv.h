@@ -13,6 +13,7 @@
 #include <linux/kref.h>
 #include <linux/list.h>
 #include <linux/mutex.h>
+#include <linux/percpu-refcount.h>
 #include <linux/pci.h>
 #include <linux/rwsem.h>
 #include <linux/sched.h>
@@ -20,6 +21,10 @@
 #include <linux/wait.h>
 #include <linux/workqueue.h>
 #include <linux/xarray.h>
+
+#include "fgds_config.h"
+
+struct io_uring_cmd;
 
 /* Smallest prefetchable BAR that makes a PCI device a GPU for fgds. */
 #define FGDS_MIN_BAR_SIZE	(64ULL << 20)
@@ -258,6 +263,14 @@ struct fgds_fence {
  *	fence
  * @cleanup: gives the dma-buf back once the pages are quiet (may sleep on
  *	the reservation lock, so it never runs in @quiesce)
+ * @users: kernels with revocable io_uring kernel buffers (uring.c): every
+ *	request using one of its io_uring slots holds a live reference;
+ *	killed by a revocation that finds @in_ring
+ * @in_ring: a slot was (or is being) made of it (written under @lock held
+ *	for reading, with @revoked false)
+ * @users_dead: @users was killed (under @lock)
+ * @users_done: @users reached zero after it was killed: no request can reach
+ *	the pages through a slot any more (set by its release, last)
  */
 struct fgds_buf {
 	struct kref ref;
@@ -295,6 +308,12 @@ struct fgds_buf {
 	pgoff_t quiet_upto;
 	bool quiet;
 	struct work_struct cleanup;
+#ifdef FGDS_HAVE_IO_BUFFER_REGISTER_KBUF
+	struct percpu_ref users;
+	bool in_ring;
+	bool users_dead;
+	bool users_done;
+#endif
 };
 
 static inline pgoff_t fgds_buf_vm_pgoff(const struct fgds_buf *buf)
@@ -340,7 +359,30 @@ void fgds_gpu_teardown(struct fgds_gpu *gpu);
 void fgds_quiesce_fn(struct work_struct *work);
 void fgds_cleanup_fn(struct work_struct *work);
 
+/* uring.c, on kernels with revocable io_uring kernel buffers */
+#ifdef FGDS_HAVE_IO_BUFFER_REGISTER_KBUF
+int fgds_buf_users_init(struct fgds_buf *buf);
+void fgds_buf_users_exit(struct fgds_buf *buf);
+void fgds_buf_users_kill(struct fgds_buf *buf);
+bool fgds_buf_users_quiet(struct fgds_buf *buf);
+int fgds_uring_cmd(struct io_uring_cmd *cmd, unsigned int issue_flags);
+#else
+static inline int fgds_buf_users_init(struct fgds_buf *buf)
+{
+	return 0;
+}
+
+static inline void fgds_buf_users_exit(struct fgds_buf *buf) {}
+static inline void fgds_buf_users_kill(struct fgds_buf *buf) {}
+
+static inline bool fgds_buf_users_quiet(struct fgds_buf *buf)
+{
+	return true;
+}
+#endif
+
 /* buf.c */
+struct fgds_buf *fgds_file_buf_get(struct fgds_file *f, unsigned long id);
 void fgds_buf_put(struct fgds_buf *buf);
 void fgds_buf_free(struct fgds_buf *buf);
 

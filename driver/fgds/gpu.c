@@ -907,13 +907,16 @@ bool fgds_pages_quiet(struct fgds_gpu *gpu, const struct fgds_extent *ext,
  * @buf: the registration
  * @cursor: as for fgds_pages_quiet()
  *
- * Return: true when @buf holds no page reference or its pages are quiet.
+ * Return: true when no request can reach @buf's pages through an io_uring
+ * slot, and @buf holds no page reference or its pages are quiet.
  */
 bool fgds_buf_quiet(struct fgds_buf *buf, pgoff_t *cursor)
 {
 	struct fgds_gpu *gpu = buf->gpu;
 	bool quiet;
 
+	if (!fgds_buf_users_quiet(buf))
+		return false;
 	mutex_lock(&gpu->holds_lock);
 	quiet = !buf->holding ||
 		fgds_pages_quiet(gpu, buf->ext, buf->nr_ext, cursor);

@@ -305,6 +305,7 @@ void fgds_buf_revoke_locked(struct fgds_buf *buf)
 		return;
 	}
 	buf->revoked = true;
+	fgds_buf_users_kill(buf);
 	up_write(&buf->lock);
 
 	/* A released buffer has no mapping left to zap. */
@@ -414,6 +415,13 @@ static void fgds_report_holder(struct fgds_buf *buf)
 	struct fgds_gpu *gpu = buf->gpu;
 	struct folio *folio;
 
+	if (!fgds_buf_users_quiet(buf)) {
+		dev_warn(&gpu->dev,
+			 "revoked buffer of %s (%llu bytes) still used by io_uring requests after %u ms (FGDS_URING_CMD_REGISTER); the exporter gets the memory back only when they are freed\n",
+			 buf->owner, buf->size,
+			 jiffies_to_msecs(jiffies - buf->pending_since));
+		return;
+	}
 	folio = page_folio(fgds_gpu_page(gpu, bar_pg));
 	dev_warn(&gpu->dev,
 		 "%s buffer of %s (%llu bytes) still referenced after %u ms: BAR page %#lx has %d references, %d mapped (I/O in flight, or pages in a pipe); the exporter gets the memory back only when they go\n",
@@ -438,7 +446,8 @@ static void fgds_quiesce_scan(struct fgds_gpu *gpu, struct list_head *quiet,
 	spin_unlock(&gpu->pending_lock);
 
 	list_for_each_entry_safe(buf, tmp, &scan, pending_node) {
-		if (fgds_pages_quiet(gpu, buf->ext, buf->nr_ext,
+		if (fgds_buf_users_quiet(buf) &&
+		    fgds_pages_quiet(gpu, buf->ext, buf->nr_ext,
 				     &buf->quiet_upto))
 			list_move_tail(&buf->pending_node, quiet);
 	}

@@ -155,6 +155,85 @@ impl Buffer {
     }
 }
 
+impl Buffer {
+    /// Puts the whole registration into slot `slot` of `ring`'s fixed-buffer table
+    /// (`FGDS_URING_CMD_REGISTER`), where the kernel can revoke an io_uring kernel buffer (not
+    /// upstream: vm-images/kernel-patches/io-uring-revocable-kbuf; elsewhere this fails with
+    /// EOPNOTSUPP). `IORING_OP_READ_FIXED` and `IORING_OP_WRITE_FIXED` with `buf_index = slot`
+    /// then address the buffer by byte offset from its start, not by its mapped address, and
+    /// no request pins anything. The ring needs a sparse table with that slot empty
+    /// (`register_buffers_sparse`) and nothing else in flight: this waits for the command.
+    ///
+    /// The slot keeps the registration (not its memory) until [`Buffer::unregister_from_ring`],
+    /// `unregister_buffers` or the ring's end; a revocation makes requests on it fail with
+    /// EFAULT.
+    pub fn register_in_ring(&self, ring: &mut io_uring::IoUring, slot: u16) -> Result<()> {
+        let arg = uapi::UringBuffer {
+            idx: self.idx,
+            index: slot.into(),
+            flags: 0,
+        };
+        uring_cmd(
+            ring,
+            &self.node,
+            uapi::URING_CMD_REGISTER,
+            arg,
+            "FGDS_URING_CMD_REGISTER",
+        )
+    }
+
+    /// Empties slot `slot` of `ring`'s fixed-buffer table (`FGDS_URING_CMD_UNREGISTER`).
+    /// Requests still using it keep it until they complete.
+    pub fn unregister_from_ring(&self, ring: &mut io_uring::IoUring, slot: u16) -> Result<()> {
+        let arg = uapi::UringBuffer {
+            idx: 0,
+            index: slot.into(),
+            flags: 0,
+        };
+        uring_cmd(
+            ring,
+            &self.node,
+            uapi::URING_CMD_UNREGISTER,
+            arg,
+            "FGDS_URING_CMD_UNREGISTER",
+        )
+    }
+}
+
+/// Issues one fgds io_uring command on an otherwise idle ring and waits for its result.
+fn uring_cmd(
+    ring: &mut io_uring::IoUring,
+    node: &File,
+    op: rustix::ioctl::Opcode,
+    arg: uapi::UringBuffer,
+    what: &'static str,
+) -> Result<()> {
+    let refused = |errno: i32, why: String| Error::Refused {
+        errno,
+        reason: format!("{what} (slot {}) failed: {why}", arg.index),
+    };
+    let sqe = io_uring::opcode::UringCmd16::new(io_uring::types::Fd(node.as_raw_fd()), op as u32)
+        .cmd(arg.to_cmd())
+        .build();
+    // SAFETY: the command carries its argument inline; it refers to no memory of ours.
+    unsafe { ring.submission().push(&sqe) }
+        .map_err(|_| refused(libc::EBUSY, "the submission queue is full".to_owned()))?;
+    if let Err(err) = ring.submit_and_wait(1) {
+        return Err(refused(err.raw_os_error().unwrap_or(libc::EIO), err.to_string()));
+    }
+    let res = ring.completion().next().map_or(-libc::EIO, |cqe| cqe.result());
+    if res >= 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::from_raw_os_error(-res);
+    let hint = if -res == libc::EOPNOTSUPP {
+        " (this kernel cannot revoke io_uring kernel buffers: see vm-images/kernel-patches/io-uring-revocable-kbuf; read through the mapping instead)"
+    } else {
+        ""
+    };
+    Err(refused(-res, format!("{err}{hint}")))
+}
+
 impl Drop for Buffer {
     fn drop(&mut self) {
         // SAFETY: exactly the mapping made in `map`; no reference into it exists.

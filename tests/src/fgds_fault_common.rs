@@ -12,7 +12,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::{Context, bail, ensure};
 use fgds_tests::{ctl, guest, ktap};
 use rustix::io::Errno;
 
@@ -399,5 +399,48 @@ impl Drop for SharedCounter {
     fn drop(&mut self) {
         // SAFETY: exactly the mapping made in new().
         unsafe { libc::munmap(self.ptr.cast(), 4096) };
+    }
+}
+
+/// The vgpu sysfs directory of the rig's GPU.
+pub fn vgpu_sysfs(attr: &str) -> anyhow::Result<String> {
+    Ok(format!("/sys/class/vgpu/{}/{attr}", common::vgpu_name()?))
+}
+
+/// vgpu fills BAR2 `[off, off + len)` with the rig's pattern of `seed`, as the GPU does when
+/// memory goes to its next user.
+pub fn vgpu_fill(off: u64, len: u64, seed: u64) -> anyhow::Result<()> {
+    let path = vgpu_sysfs("fill")?;
+    std::fs::write(&path, format!("{off} {len} {seed}")).with_context(|| format!("write {path}"))
+}
+
+/// The latest revocation vgpu made: (bar_offset, invalidation, wait for fences).
+pub fn last_revoke() -> anyhow::Result<(u64, Duration, Duration)> {
+    let path = vgpu_sysfs("last_revoke")?;
+    let text = std::fs::read_to_string(&path).with_context(|| format!("read {path}"))?;
+    let f = text
+        .split_whitespace()
+        .map(str::parse::<u64>)
+        .collect::<Result<Vec<_>, _>>()?;
+    ensure!(f.len() == 3, "{path}: {text:?}");
+    Ok((f[0], Duration::from_nanos(f[1]), Duration::from_nanos(f[2])))
+}
+
+/// fgds's `revoke_timeout_ms`, set for as long as this lives.
+pub struct RevokeTimeout(String);
+
+impl RevokeTimeout {
+    const PATH: &str = "/sys/module/fgds/parameters/revoke_timeout_ms";
+
+    pub fn set(ms: u64) -> anyhow::Result<RevokeTimeout> {
+        let old = std::fs::read_to_string(Self::PATH)?.trim().to_owned();
+        std::fs::write(Self::PATH, ms.to_string())?;
+        Ok(RevokeTimeout(old))
+    }
+}
+
+impl Drop for RevokeTimeout {
+    fn drop(&mut self) {
+        let _ = std::fs::write(Self::PATH, &self.0);
     }
 }

@@ -212,8 +212,9 @@ fn collect(run: &vm::KernelRun) -> anyhow::Result<(Vec<Value>, Option<Value>, Ve
     Ok((rows, registration, profiles))
 }
 
-/// Which modes read and wrote through io_uring fixed buffers (pinned once), and why the others
-/// did not: a mode without them pins its pages on every request.
+/// Which modes read and wrote through io_uring fixed buffers (pinned once, or `direct`'s
+/// registration put into the ring by fgds, not pinned), and why the others did not: a mode
+/// without them pins its pages on every request.
 fn print_fixed_buffers(rows: &[serde_json::Value]) {
     let mut modes: Vec<(String, Option<String>)> = Vec::new();
     for row in rows {
@@ -226,10 +227,17 @@ fn print_fixed_buffers(rows: &[serde_json::Value]) {
         let refused = row["fixed_buffers_refused"].as_str().map(str::to_owned);
         modes.push((mode.to_owned(), refused));
     }
+    let kind = |mode: &str| {
+        rows.iter()
+            .find(|row| row["mode"] == mode)
+            .and_then(|row| row["fixed_buffer_kind"].as_str())
+            .filter(|kind| *kind != "pinned")
+            .map_or(mode.to_owned(), |kind| format!("{mode} ({kind})"))
+    };
     let with = modes
         .iter()
         .filter(|(_, r)| r.is_none())
-        .map(|(m, _)| m.as_str())
+        .map(|(m, _)| kind(m))
         .collect::<Vec<_>>();
     println!("io_uring fixed buffers: {}", with.join(", "));
     for (mode, why) in &modes {

@@ -227,6 +227,7 @@ const VGPU_PROGRAMS: &[&str] = &[
     "fgds_fault_unload",
     "fgds_fault_kill",
     "fgds_revoke",
+    "fgds_uring",
     "fgds_fault_drive",
     "fgds_fault_nvme_unplug",
     "fgds_fault_gpu_unplug",
@@ -296,6 +297,14 @@ pub const SKIPS: &[Skip] = &[
         why: "the exporter's P2PDMA pages are order-0 folios: fgds maps them with PTEs only",
     },
     Skip {
+        cases: &["fgds_uring::*"],
+        when: &[When::Unpatched("io-uring-revocable-kbuf")],
+        reason: "EOPNOTSUPP: this kernel cannot revoke io_uring kernel buffers",
+        why: "FGDS_URING_CMD_REGISTER needs io_buffer_register_kbuf(), the kernel change \
+              io-uring-revocable-kbuf (not upstream): without it fgds has no io_uring command, \
+              and io_uring answers EOPNOTSUPP",
+    },
+    Skip {
         cases: PMD_CASES,
         when: &[
             When::Mode(&[Mode::P2pdma]),
@@ -331,6 +340,7 @@ pub const SKIPS: &[Skip] = &[
             "fgds_fault_gpu_unplug::*",
             "fgds_fault_inject::*",
             "fgds_revoke::*",
+            "fgds_uring::*",
             "fgds_badinput::limit_memlock_enomem",
             "fgds_badinput::limit_bytes_per_user_enospc",
             "fgds_cli",

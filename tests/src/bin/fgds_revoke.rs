@@ -112,30 +112,6 @@ fn join<T>(handle: JoinHandle<T>, what: &str) -> anyhow::Result<T> {
         .map_err(|_| anyhow::anyhow!("the thread that {what} panicked"))
 }
 
-/// The vgpu sysfs directory of the rig's GPU.
-fn vgpu_sysfs(attr: &str) -> anyhow::Result<String> {
-    Ok(format!("/sys/class/vgpu/{}/{attr}", common::vgpu_name()?))
-}
-
-/// vgpu fills BAR2 `[off, off + len)` with the rig's pattern of `seed`, as the GPU does when
-/// memory goes to its next user.
-fn vgpu_fill(off: u64, len: u64, seed: u64) -> anyhow::Result<()> {
-    let path = vgpu_sysfs("fill")?;
-    std::fs::write(&path, format!("{off} {len} {seed}")).with_context(|| format!("write {path}"))
-}
-
-/// The latest revocation vgpu made: (bar_offset, invalidation, wait for fences).
-fn last_revoke() -> anyhow::Result<(u64, Duration, Duration)> {
-    let path = vgpu_sysfs("last_revoke")?;
-    let text = std::fs::read_to_string(&path).with_context(|| format!("read {path}"))?;
-    let f = text
-        .split_whitespace()
-        .map(str::parse::<u64>)
-        .collect::<Result<Vec<_>, _>>()?;
-    ensure!(f.len() == 3, "{path}: {text:?}");
-    Ok((f[0], Duration::from_nanos(f[1]), Duration::from_nanos(f[2])))
-}
-
 /// Revokes the vgpu buffer at `bar_off` in a thread (the write returns once fences signalled).
 fn revoke_in_thread(bar_off: u64) -> JoinHandle<anyhow::Result<()>> {
     std::thread::spawn(move || common::revoke(bar_off))
@@ -182,12 +158,12 @@ fn held_read_never_lands_after_revocation() -> CaseResult {
     fault::require_idle()?;
     const LEN: u64 = 4 * MIB;
     // A deadline shorter than the hold: no timer may give the memory back.
-    let _timeout = RevokeTimeout::set(500)?;
+    let _timeout = fault::RevokeTimeout::set(500)?;
     write_scratch(SEED_READ, LEN as usize)?;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
-    vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
     let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
     let map = Map::shared(&node, idx, LEN as usize)?;
     let nvme = common::nvme(false)?;
@@ -213,7 +189,7 @@ fn held_read_never_lands_after_revocation() -> CaseResult {
     bp.resume()?;
     let read = join(reader, "read")?;
     join(revoker, "revoked")?.context("revoke")?;
-    let (off, invalidate, fences) = last_revoke()?;
+    let (off, invalidate, fences) = fault::last_revoke()?;
     ktap::diag(format_args!(
         "held read: {read:?}; invalidation took {invalidate:?}, the wait for fences {fences:?}; \
          the read was resumed {resumed:?} into the revocation"
@@ -237,7 +213,7 @@ fn held_read_never_lands_after_revocation() -> CaseResult {
     );
 
     // The exporter reuses the memory: anything of the read landing from now on would show.
-    vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
     std::thread::sleep(Duration::from_millis(500));
     ctl::gpu_check(bar_off, LEN, SEED_SENTINEL)
         .context("the host's look at GPU memory after the exporter reused it")?;
@@ -267,11 +243,11 @@ fn held_read_never_lands_after_revocation() -> CaseResult {
 fn vmsplice_holds_revocation_until_drained() -> CaseResult {
     fault::require_idle()?;
     const LEN: u64 = 2 * MIB;
-    let _timeout = RevokeTimeout::set(500)?;
+    let _timeout = fault::RevokeTimeout::set(500)?;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
-    vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
     let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
     let map = Map::shared(&node, idx, LEN as usize)?;
     let (rx, tx) = pipe()?;
@@ -321,7 +297,7 @@ fn vmsplice_holds_revocation_until_drained() -> CaseResult {
         || Ok(revoker.is_finished()),
     )?;
     join(revoker, "revoked")?.context("revoke")?;
-    let (_, invalidate, fences) = last_revoke()?;
+    let (_, invalidate, fences) = fault::last_revoke()?;
     ktap::diag(format_args!(
         "pipe drained {drained_at:?} into the revocation; invalidation {invalidate:?}, fences \
          {fences:?}"
@@ -345,7 +321,7 @@ fn readonly_dmabuf_gives_readonly_mapping() -> CaseResult {
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let (dmabuf, bar_off) = fgds::vgpu::alloc_with(&vgpu, LEN, fgds::vgpu::ALLOC_RDONLY)?;
-    vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
     let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
     let map = common::map_readonly_checked(&node, idx, LEN as usize)?;
     let nvme = common::nvme(true)?;
@@ -651,25 +627,6 @@ fn rebind_vgpu(bdf: &str, drv: &std::path::Path) -> anyhow::Result<()> {
     .map(drop)
 }
 
-/// fgds's `revoke_timeout_ms`, set for as long as this lives.
-struct RevokeTimeout(String);
-
-impl RevokeTimeout {
-    const PATH: &str = "/sys/module/fgds/parameters/revoke_timeout_ms";
-
-    fn set(ms: u64) -> anyhow::Result<RevokeTimeout> {
-        let old = std::fs::read_to_string(Self::PATH)?.trim().to_owned();
-        std::fs::write(Self::PATH, ms.to_string())?;
-        Ok(RevokeTimeout(old))
-    }
-}
-
-impl Drop for RevokeTimeout {
-    fn drop(&mut self) {
-        let _ = std::fs::write(Self::PATH, &self.0);
-    }
-}
-
 /// (d) The GPU's driver unbinds while a read is held in flight into its memory, past fgds's
 /// `revoke_timeout_ms`: fgds logs who holds the pages and keeps waiting (the unbind does not
 /// return, the provider stays), and once the read ends everything is released and works
@@ -679,7 +636,7 @@ fn teardown_past_its_deadline_keeps_waiting() -> CaseResult {
     const LEN: u64 = 4 * MIB;
     let (bdf, drv) = vgpu_driver()?;
     let mode = fgds_tests::guest::expected_mode()?;
-    let _timeout = RevokeTimeout::set(500)?;
+    let _timeout = fault::RevokeTimeout::set(500)?;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let (dmabuf, _) = common::alloc(&vgpu, LEN)?;

@@ -8,7 +8,10 @@
 //! - `ram`: into (or out of) RAM as a reader that wants the drive's best has it: 2 MiB aligned,
 //!   transparent huge pages asked for (`MADV_HUGEPAGE`), touched, and an io_uring fixed buffer
 //!   where the kernel takes one: the drive's ceiling;
-//! - `direct`: into a GPU buffer registered with fgds;
+//! - `direct`: into a GPU buffer registered with fgds; where the kernel can revoke an io_uring
+//!   kernel buffer (`vm-images/kernel-patches/io-uring-revocable-kbuf`), the registration is
+//!   each ring's fixed buffer through `FGDS_URING_CMD_REGISTER` (no pin at all, and none per
+//!   request), else requests pin its pages one by one (GPU memory is never pinned long-term);
 //! - `bounce`: what a loader without GPU-direct I/O does (cuFile's compatibility mode): reads
 //!   into RAM staging like `ram`'s (pinned as a fixed buffer), then the fastest CPU copy into
 //!   the GPU through the exporter's own mapping (`memcpy` or non-temporal stores, whichever
@@ -77,8 +80,9 @@ pub struct Options {
     #[arg(long, default_value_t = 1)]
     warmup: usize,
     /// Register each thread's memory with its io_uring as a fixed buffer (pinned once, not per
-    /// request): `auto` where the kernel accepts the memory (and says so where it does not),
-    /// `on` (fail where it does not), or `off`.
+    /// request; `direct`'s registration is put into the ring by fgds instead, unpinned, where
+    /// the kernel can revoke it): `auto` where the kernel accepts the memory (and says so where
+    /// it does not), `on` (fail where it does not), or `off`.
     #[arg(long, default_value = "auto")]
     fixed_buffers: FixedBuffers,
     /// Print JSON (an array, one object per mode).
@@ -171,10 +175,14 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             Ok(made) => made,
             Err(err) => bail!("{mode}: {err:#}"),
         };
-        if let Err(reason) = &fixed {
-            eprintln!(
+        match &fixed {
+            Err(reason) => eprintln!(
                 "bench: {mode}: no fixed buffers ({reason}); requests pin their pages one by one"
-            );
+            ),
+            Ok(Fixed::Slot) => eprintln!(
+                "bench: {mode}: each ring's fixed buffer is the registration, through FGDS_URING_CMD_REGISTER"
+            ),
+            Ok(Fixed::Pinned) => {}
         }
         runs.push(ModeRun {
             mode: mode.clone(),
@@ -293,6 +301,10 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "cpu_clock": clock.name(),
             "ratio_to_ram": ram_turns.as_deref().and_then(|r| paired_ratio(&turn_mib_s, r)),
             "fixed_buffers": fixed.is_ok(),
+            "fixed_buffer_kind": fixed.as_ref().ok().map(|kind| match kind {
+                Fixed::Pinned => "pinned",
+                Fixed::Slot => "fgds-uring-cmd",
+            }),
             "fixed_buffers_refused": fixed.err(),
         });
         if let (Some(row), serde_json::Value::Object(details)) = (row.as_object_mut(), details) {
@@ -342,7 +354,7 @@ struct ModeRun {
     /// Bytes of the target each thread's requests cycle through.
     region: usize,
     rings: Vec<IoUring>,
-    fixed: Result<(), String>,
+    fixed: Result<Fixed, String>,
     /// `bounce` writes: per thread, the staging slot already holding the next request's data.
     ready: Vec<Option<usize>>,
     samples: Vec<Sample>,
@@ -731,19 +743,49 @@ fn busy_secs(source: CpuSource, from: &CpuClock, to: &CpuClock) -> f64 {
     }
 }
 
+/// How a mode's rings hold its memory as their fixed buffer.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fixed {
+    /// `IORING_REGISTER_BUFFERS`: pinned once; requests name it by address.
+    Pinned,
+    /// `direct`: the fgds registration, put into slot 0 by `FGDS_URING_CMD_REGISTER`;
+    /// requests name it by offset from the registration's start.
+    Slot,
+}
+
 /// One io_uring per thread, each with its part of the target registered as its fixed buffer
-/// where `--fixed-buffers` asks for it; the second value says whether they are, or why not.
+/// where `--fixed-buffers` asks for it; the second value says how they are, or why not.
 fn make_rings(
     target: &Target,
     opts: &Options,
     region: usize,
-) -> anyhow::Result<(Vec<IoUring>, Result<(), String>)> {
-    let rings = (0..opts.threads)
+) -> anyhow::Result<(Vec<IoUring>, Result<Fixed, String>)> {
+    let mut rings = (0..opts.threads)
         .map(|_| IoUring::new(opts.queue_depth.next_power_of_two() as u32))
         .collect::<std::io::Result<Vec<_>>>()
         .context("io_uring_setup")?;
     if opts.fixed_buffers == FixedBuffers::Off {
         return Ok((rings, Err("--fixed-buffers off".to_owned())));
+    }
+    if let Target::Direct { buffer, .. } = target {
+        let slots = rings.iter_mut().try_for_each(|ring| {
+            ring.submitter()
+                .register_buffers_sparse(1)
+                .map_err(|err| format!("a sparse fixed-buffer table: {err}"))?;
+            buffer
+                .register_in_ring(ring, 0)
+                .map_err(|err| err.to_string())
+        });
+        return match slots {
+            Ok(()) => Ok((rings, Ok(Fixed::Slot))),
+            Err(reason) if opts.fixed_buffers == FixedBuffers::On => {
+                bail!("{reason} (--fixed-buffers on)")
+            }
+            Err(reason) => {
+                release_rings(&rings);
+                Ok((rings, Err(reason)))
+            }
+        };
     }
     for (t, ring) in rings.iter().enumerate() {
         let iov = libc::iovec {
@@ -762,7 +804,7 @@ fn make_rings(
             return Ok((rings, Err(reason)));
         }
     }
-    Ok((rings, Ok(())))
+    Ok((rings, Ok(Fixed::Pinned)))
 }
 
 /// Unregisters the rings' fixed buffers, so that their pages are unpinned now rather than when
@@ -785,7 +827,7 @@ fn run_turn(
 ) -> anyhow::Result<()> {
     let region = run.region;
     let per_thread = opts.total / (opts.threads * turns) as u64;
-    let fixed = run.fixed.is_ok();
+    let fixed = run.fixed.as_ref().ok().copied();
     let target = &run.target;
     let from = cpu_clock(clock)?;
     let started = Instant::now();
@@ -862,7 +904,7 @@ fn paired_ratio(a: &[f64], b: &[f64]) -> Option<f64> {
 /// What one thread of a turn works on.
 struct ThreadIo<'a> {
     target: &'a Target,
-    fixed: bool,
+    fixed: Option<Fixed>,
     /// Bytes of the target the thread's requests cycle through, from `region_offset`.
     region: usize,
     region_offset: usize,
@@ -943,11 +985,16 @@ fn thread_io(
                 slot
             }
         };
-        let ptr = (io.target.io_ptr() as usize + at(slot)) as *mut u8;
+        // A slot made by fgds is addressed from 0, the registration's start.
+        let base = match io.fixed {
+            Some(Fixed::Slot) => 0,
+            _ => io.target.io_ptr() as usize,
+        };
+        let ptr = (base + at(slot)) as *mut u8;
         let block = (next * opts.threads as u64 + io.thread) % span_blocks;
         let off = opts.file_offset + block * bs as u64;
         let len = bs as u32;
-        let sqe = match (io.write, io.fixed) {
+        let sqe = match (io.write, io.fixed.is_some()) {
             (true, true) => opcode::WriteFixed::new(fd, ptr, len, 0).offset(off).build(),
             (true, false) => opcode::Write::new(fd, ptr, len).offset(off).build(),
             (false, true) => opcode::ReadFixed::new(fd, ptr, len, 0).offset(off).build(),
