@@ -219,9 +219,15 @@ fn uring_cmd(
     unsafe { ring.submission().push(&sqe) }
         .map_err(|_| refused(libc::EBUSY, "the submission queue is full".to_owned()))?;
     if let Err(err) = ring.submit_and_wait(1) {
-        return Err(refused(err.raw_os_error().unwrap_or(libc::EIO), err.to_string()));
+        return Err(refused(
+            err.raw_os_error().unwrap_or(libc::EIO),
+            err.to_string(),
+        ));
     }
-    let res = ring.completion().next().map_or(-libc::EIO, |cqe| cqe.result());
+    let res = ring
+        .completion()
+        .next()
+        .map_or(-libc::EIO, |cqe| cqe.result());
     if res >= 0 {
         return Ok(());
     }

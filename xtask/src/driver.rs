@@ -90,7 +90,10 @@ const PROBES: &[(&str, Has)] = &[
     ("ATTACH_OPS_INVALIDATE_MAPPINGS", Has::Since(7, 0)),
     ("GET_DEV_PAGEMAP_PFN", Has::Since(7, 0)),
     ("P2PDMA_ADD_RESOURCE_FOLIOS", Has::Patch("p2pdma-folios")),
-    ("IO_BUFFER_REGISTER_KBUF", Has::Patch("io-uring-revocable-kbuf")),
+    (
+        "IO_BUFFER_REGISTER_KBUF",
+        Has::Patch("io-uring-revocable-kbuf"),
+    ),
 ];
 
 /// Which kernels have what a probe looks for.

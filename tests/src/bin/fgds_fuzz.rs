@@ -69,6 +69,9 @@ const OPS: &[&str] = &[
     "pwrite",
     "uring_read",
     "uring_fixed_buffer",
+    "slot_reg",
+    "slot_io",
+    "slot_unreg",
     "close_dmabuf",
     "close_node",
     "revoke",
@@ -855,6 +858,9 @@ const WEIGHTS: &[(&str, Op, u64)] = &[
     ("pwrite", |w, r| op_io(w, r, true), 25),
     ("uring_read", op_uring, 60),
     ("uring_fixed_buffer", op_fixed_buffer, 8),
+    ("slot_reg", op_slot_reg, 20),
+    ("slot_io", op_slot_io, 40),
+    ("slot_unreg", op_slot_unreg, 10),
     ("close_dmabuf", op_close_dmabuf, 20),
     ("close_node", |w, _| op_close_node(w), 6),
     ("revoke", op_revoke, 30),
@@ -1723,6 +1729,250 @@ fn fixed_buffer(w: &Worker, ring: &io_uring::IoUring, region: &Region, mapped: &
             sh.check("uring_fixed_buffer", Err(e), &allowed, "a long-term pin");
         }
     }
+}
+
+/// Slots of each thread's ring for FGDS_URING_CMD_REGISTER.
+const RING_SLOTS: usize = 4;
+
+/// A thread's ring with a sparse fixed-buffer table, and the registration each slot was given.
+struct SlotRing {
+    ring: io_uring::IoUring,
+    slots: [Option<Arc<Reg>>; RING_SLOTS],
+    /// The kernel has FGDS_URING_CMD_REGISTER (io-uring-revocable-kbuf); else every command
+    /// fails with EOPNOTSUPP.
+    supported: bool,
+}
+
+thread_local! {
+    static SLOT_RING: std::cell::RefCell<Option<SlotRing>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// One fgds command on an idle ring: its CQE's result as a `Result`.
+fn slot_cmd(
+    ring: &mut io_uring::IoUring,
+    node: &File,
+    op: u32,
+    arg: fgds::uapi::UringBuffer,
+) -> Result<(), Errno> {
+    let sqe = io_uring::opcode::UringCmd16::new(io_uring::types::Fd(node.as_raw_fd()), op)
+        .cmd(arg.to_cmd())
+        .build();
+    // SAFETY: the command carries its argument inline and refers to no memory.
+    unsafe { ring.submission().push(&sqe) }.map_err(|_| Errno::BUSY)?;
+    loop {
+        match ring.submit_and_wait(1) {
+            Ok(_) => break,
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+            Err(e) => return Err(Errno::from_io_error(&e).unwrap_or(Errno::IO)),
+        }
+    }
+    match ring.completion().next().map_or(-libc::EIO, |c| c.result()) {
+        0 => Ok(()),
+        res => Err(Errno::from_raw_os_error(-res)),
+    }
+}
+
+/// Runs `f` with the thread's slot ring, made (and the kernel asked whether it has the
+/// commands: an unknown token gives ENOENT if so) when there is none. A ring `f` returns false
+/// for is dropped, with its slots, as at a process's exit.
+fn with_slot_ring(w: &Worker, f: impl FnOnce(&mut SlotRing) -> bool) {
+    SLOT_RING.with_borrow_mut(|slot_ring| {
+        if slot_ring.is_none() {
+            let Some(node) = node(w) else { return };
+            let Ok(mut ring) = io_uring::IoUring::new(4) else {
+                return w.sh.fail("slot_reg", format_args!("io_uring_setup failed"));
+            };
+            if let Err(e) = ring.submitter().register_buffers_sparse(RING_SLOTS as u32) {
+                return w
+                    .sh
+                    .fail("slot_reg", format_args!("a sparse buffer table: {e}"));
+            }
+            let probe = fgds::uapi::UringBuffer {
+                idx: (u64::from(u32::MAX) + 1) << 12,
+                index: 0,
+                flags: 0,
+            };
+            let got = slot_cmd(
+                &mut ring,
+                &node.file,
+                fgds::uapi::URING_CMD_REGISTER as u32,
+                probe,
+            );
+            let supported = got == Err(Errno::NOENT);
+            if !supported && got != Err(Errno::OPNOTSUPP) {
+                w.sh.fail(
+                    "slot_reg",
+                    format_args!("an unknown token gave {got:?}, want ENOENT (or EOPNOTSUPP)"),
+                );
+            }
+            *slot_ring = Some(SlotRing {
+                ring,
+                slots: Default::default(),
+                supported,
+            });
+        }
+        if let Some(r) = slot_ring.as_mut()
+            && !f(r)
+        {
+            *slot_ring = None;
+        }
+    });
+}
+
+/// FGDS_URING_CMD_REGISTER of a registration into a slot of the thread's ring (now and then
+/// the whole ring is dropped instead, slots and all).
+fn op_slot_reg(w: &Worker, rng: &mut Rng) {
+    let sh = w.sh;
+    let Some(reg) = pick(&w.regs, rng) else {
+        return;
+    };
+    let index = rng.below(RING_SLOTS as u64) as usize;
+    let drop_ring = rng.chance(50);
+    with_slot_ring(w, |r| {
+        if drop_ring {
+            return false;
+        }
+        // Held across the command: the token names this registration, not a later one.
+        let gone = reg.gone.read().unwrap();
+        if *gone {
+            return true;
+        }
+        let arg = fgds::uapi::UringBuffer {
+            idx: reg.idx,
+            index: index as u32,
+            flags: 0,
+        };
+        let got = slot_cmd(
+            &mut r.ring,
+            &reg.node.file,
+            fgds::uapi::URING_CMD_REGISTER as u32,
+            arg,
+        );
+        let mut allowed = Vec::new();
+        if !r.supported {
+            allowed.push(Errno::OPNOTSUPP);
+        } else if r.slots[index].is_some() {
+            allowed.push(Errno::BUSY);
+        } else if reg.buf.may_be_revoked(sh) || sh.stale(reg.node.epoch) {
+            allowed.push(Errno::NODEV);
+        }
+        sh.check(
+            "slot_reg",
+            got,
+            &allowed,
+            "FGDS_URING_CMD_REGISTER of a live token",
+        );
+        if got.is_ok() {
+            r.slots[index] = Some(reg.clone());
+        }
+        true
+    });
+}
+
+/// Up to three reads into (or writes from) registrations through the ring's slots, at once.
+fn op_slot_io(w: &Worker, rng: &mut Rng) {
+    let sh = w.sh;
+    with_slot_ring(w, |r| {
+        let mut reqs = Vec::new();
+        for _ in 0..1 + rng.below(3) as usize {
+            let index = rng.below(RING_SLOTS as u64) as usize;
+            let Some(reg) = r.slots[index].clone() else {
+                continue;
+            };
+            let len = (1 + rng.below(16)) * PAGE;
+            // Now and then past the registration's end: refused before any I/O.
+            let from = rng.below((reg.len + PAGE).saturating_sub(len) / PAGE + 1) * PAGE;
+            let write = rng.chance(250);
+            let fd = io_uring::types::Fd(if write {
+                w.nvme_write.as_raw_fd()
+            } else {
+                w.nvme_read.as_raw_fd()
+            });
+            let sqe = if write {
+                let off = WRITE_AREA + rng.below((WRITE_AREA_LEN - MIB) / PAGE) * PAGE;
+                io_uring::opcode::WriteFixed::new(fd, from as *const u8, len as u32, index as u16)
+                    .offset(off)
+                    .build()
+            } else {
+                let off = rng.below((pattern::NVME_PATTERN_BYTES - MIB) / PAGE) * PAGE;
+                io_uring::opcode::ReadFixed::new(fd, from as *mut u8, len as u32, index as u16)
+                    .offset(off)
+                    .build()
+            };
+            // SAFETY: the address is an offset into a kernel buffer, not memory of ours.
+            if unsafe { r.ring.submission().push(&sqe.user_data(reqs.len() as u64)) }.is_err() {
+                break;
+            }
+            let past_end = from + len > reg.len;
+            reqs.push((reg, past_end));
+        }
+        if reqs.is_empty() {
+            return true;
+        }
+        loop {
+            match r.ring.submit_and_wait(reqs.len()) {
+                Ok(_) => break,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) => {
+                    sh.fail("slot_io", format_args!("io_uring_enter: {e}"));
+                    return false;
+                }
+            }
+        }
+        for cqe in r.ring.completion() {
+            let (reg, past_end) = &reqs[cqe.user_data() as usize];
+            let res = cqe.result();
+            let fault_ok = *past_end || reg.buf.may_be_revoked(sh) || sh.stale(reg.node.epoch);
+            let got = if res >= 0 {
+                Ok(())
+            } else {
+                Err(Errno::from_raw_os_error(-res))
+            };
+            sh.check(
+                "slot_io",
+                got,
+                if fault_ok { &[Errno::FAULT] } else { &[] },
+                "I/O through a slot",
+            );
+            if *past_end && res >= 0 {
+                sh.fail(
+                    "slot_io",
+                    format_args!("I/O past a registration's end through a slot gave {res}"),
+                );
+            }
+        }
+        true
+    });
+}
+
+/// FGDS_URING_CMD_UNREGISTER of a slot (empty or not).
+fn op_slot_unreg(w: &Worker, rng: &mut Rng) {
+    let index = rng.below(RING_SLOTS as u64) as usize;
+    with_slot_ring(w, |r| {
+        let Some(node) = node(w) else { return true };
+        let arg = fgds::uapi::UringBuffer {
+            idx: 0,
+            index: index as u32,
+            flags: 0,
+        };
+        let got = slot_cmd(
+            &mut r.ring,
+            &node.file,
+            fgds::uapi::URING_CMD_UNREGISTER as u32,
+            arg,
+        );
+        let allowed = if !r.supported {
+            vec![Errno::OPNOTSUPP]
+        } else if r.slots[index].is_none() {
+            vec![Errno::INVAL]
+        } else {
+            vec![]
+        };
+        w.sh.check("slot_unreg", got, &allowed, "FGDS_URING_CMD_UNREGISTER");
+        r.slots[index] = None;
+        true
+    });
 }
 
 fn op_close_dmabuf(w: &Worker, rng: &mut Rng) {

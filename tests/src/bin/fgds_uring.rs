@@ -113,14 +113,25 @@ fn ring_with_slot(node: &File, idx: u64) -> anyhow::Result<Result<IoUring, Strin
 
 /// One READ_FIXED (`write` false) or WRITE_FIXED of `len` bytes at byte `buf_off` of slot 0
 /// and `nvme_off` of the drive, on an idle ring; returns the CQE's result.
-fn fixed_io(ring: &mut IoUring, nvme: &File, write: bool, buf_off: u64, len: u32, nvme_off: u64) -> i32 {
+fn fixed_io(
+    ring: &mut IoUring,
+    nvme: &File,
+    write: bool,
+    buf_off: u64,
+    len: u32,
+    nvme_off: u64,
+) -> i32 {
     let fd = types::Fd(nvme.as_raw_fd());
     // A slot made by fgds is addressed by offset from the registration's start.
     let addr = buf_off as *mut u8;
     let sqe = if write {
-        opcode::WriteFixed::new(fd, addr, len, 0).offset(nvme_off).build()
+        opcode::WriteFixed::new(fd, addr, len, 0)
+            .offset(nvme_off)
+            .build()
     } else {
-        opcode::ReadFixed::new(fd, addr, len, 0).offset(nvme_off).build()
+        opcode::ReadFixed::new(fd, addr, len, 0)
+            .offset(nvme_off)
+            .build()
     };
     // SAFETY: the address is an offset into the kernel's buffer, not memory of ours.
     if unsafe { ring.submission().push(&sqe) }.is_err() {
@@ -165,7 +176,14 @@ fn slot_reads_and_writes_with_no_mapping() -> CaseResult {
     let nvme = common::nvme(true)?;
     // Into the second half, at an offset that is not a folio boundary.
     let at = LEN + 64 * 1024;
-    let res = fixed_io(&mut ring, &nvme, false, at, (LEN - 128 * 1024) as u32, SCRATCH);
+    let res = fixed_io(
+        &mut ring,
+        &nvme,
+        false,
+        at,
+        (LEN - 128 * 1024) as u32,
+        SCRATCH,
+    );
     ensure!(
         res == (LEN - 128 * 1024) as i32,
         "READ_FIXED into the slot gave {res}"
@@ -183,7 +201,14 @@ fn slot_reads_and_writes_with_no_mapping() -> CaseResult {
         bail!("the drive's byte {at:#x} is not GPU memory's after the write from the slot");
     }
     // Past the registration's end: refused before any I/O.
-    let res = fixed_io(&mut ring, &nvme, false, 2 * LEN - PAGE, 2 * PAGE as u32, SCRATCH);
+    let res = fixed_io(
+        &mut ring,
+        &nvme,
+        false,
+        2 * LEN - PAGE,
+        2 * PAGE as u32,
+        SCRATCH,
+    );
     ensure!(
         res == -libc::EFAULT,
         "a read past the registration's end gave {res}, want EFAULT"
@@ -366,17 +391,61 @@ fn bad_commands_fail_with_their_errno() -> CaseResult {
     let mut fresh = new_ring(4)?;
     let mut tableless = new_ring(0)?;
     let checks: [(&str, i32, i32); 11] = [
-        ("flags not 0", uring_cmd(&mut fresh, &node, reg, arg(idx, 1, 1)), libc::EINVAL),
-        ("token not page aligned", uring_cmd(&mut fresh, &node, reg, arg(idx + 1, 1, 0)), libc::EINVAL),
-        ("no such token", uring_cmd(&mut fresh, &node, reg, arg(idx + 64 * PAGE, 1, 0)), libc::ENOENT),
-        ("slot outside the table", uring_cmd(&mut fresh, &node, reg, arg(idx, 4, 0)), libc::EINVAL),
-        ("a ring without a table", uring_cmd(&mut tableless, &node, reg, arg(idx, 0, 0)), libc::EINVAL),
-        ("slot in use", uring_cmd(&mut ring, &node, reg, arg(idx, 0, 0)), libc::EBUSY),
-        ("unregister of an empty slot", uring_cmd(&mut fresh, &node, unreg, arg(0, 2, 0)), libc::EINVAL),
-        ("unregister with a token", uring_cmd(&mut ring, &node, unreg, arg(idx, 0, 0)), libc::EINVAL),
-        ("unknown command", uring_cmd(&mut fresh, &node, unreg + 1, arg(0, 0, 0)), libc::ENOTTY),
-        ("unregister", uring_cmd(&mut ring, &node, unreg, arg(0, 0, 0)), 0),
-        ("register again", uring_cmd(&mut ring, &node, reg, arg(idx, 0, 0)), 0),
+        (
+            "flags not 0",
+            uring_cmd(&mut fresh, &node, reg, arg(idx, 1, 1)),
+            libc::EINVAL,
+        ),
+        (
+            "token not page aligned",
+            uring_cmd(&mut fresh, &node, reg, arg(idx + 1, 1, 0)),
+            libc::EINVAL,
+        ),
+        (
+            "no such token",
+            uring_cmd(&mut fresh, &node, reg, arg(idx + 64 * PAGE, 1, 0)),
+            libc::ENOENT,
+        ),
+        (
+            "slot outside the table",
+            uring_cmd(&mut fresh, &node, reg, arg(idx, 4, 0)),
+            libc::EINVAL,
+        ),
+        (
+            "a ring without a table",
+            uring_cmd(&mut tableless, &node, reg, arg(idx, 0, 0)),
+            libc::EINVAL,
+        ),
+        (
+            "slot in use",
+            uring_cmd(&mut ring, &node, reg, arg(idx, 0, 0)),
+            libc::EBUSY,
+        ),
+        (
+            "unregister of an empty slot",
+            uring_cmd(&mut fresh, &node, unreg, arg(0, 2, 0)),
+            libc::EINVAL,
+        ),
+        (
+            "unregister with a token",
+            uring_cmd(&mut ring, &node, unreg, arg(idx, 0, 0)),
+            libc::EINVAL,
+        ),
+        (
+            "unknown command",
+            uring_cmd(&mut fresh, &node, unreg + 1, arg(0, 0, 0)),
+            libc::ENOTTY,
+        ),
+        (
+            "unregister",
+            uring_cmd(&mut ring, &node, unreg, arg(0, 0, 0)),
+            0,
+        ),
+        (
+            "register again",
+            uring_cmd(&mut ring, &node, reg, arg(idx, 0, 0)),
+            0,
+        ),
     ];
     for (what, got, want) in checks {
         ensure!(
