@@ -212,7 +212,7 @@ fn uring_cmd(
         errno,
         reason: format!("{what} (slot {}) failed: {why}", arg.index),
     };
-    let sqe = io_uring::opcode::UringCmd16::new(io_uring::types::Fd(node.as_raw_fd()), op as u32)
+    let sqe = io_uring::opcode::UringCmd16::new(io_uring::types::Fd(node.as_raw_fd()), op)
         .cmd(arg.to_cmd())
         .build();
     // SAFETY: the command carries its argument inline; it refers to no memory of ours.

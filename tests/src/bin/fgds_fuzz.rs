@@ -1793,12 +1793,7 @@ fn with_slot_ring(w: &Worker, f: impl FnOnce(&mut SlotRing) -> bool) {
                 index: 0,
                 flags: 0,
             };
-            let got = slot_cmd(
-                &mut ring,
-                &node.file,
-                fgds::uapi::URING_CMD_REGISTER as u32,
-                probe,
-            );
+            let got = slot_cmd(&mut ring, &node.file, fgds::uapi::URING_CMD_REGISTER, probe);
             let supported = got == Err(Errno::NOENT);
             if !supported && got != Err(Errno::OPNOTSUPP) {
                 w.sh.fail(
@@ -1846,7 +1841,7 @@ fn op_slot_reg(w: &Worker, rng: &mut Rng) {
         let got = slot_cmd(
             &mut r.ring,
             &reg.node.file,
-            fgds::uapi::URING_CMD_REGISTER as u32,
+            fgds::uapi::URING_CMD_REGISTER,
             arg,
         );
         let mut allowed = Vec::new();
@@ -1959,7 +1954,7 @@ fn op_slot_unreg(w: &Worker, rng: &mut Rng) {
         let got = slot_cmd(
             &mut r.ring,
             &node.file,
-            fgds::uapi::URING_CMD_UNREGISTER as u32,
+            fgds::uapi::URING_CMD_UNREGISTER,
             arg,
         );
         let allowed = if !r.supported {

@@ -90,7 +90,7 @@ fn register(ring: &mut IoUring, node: &File, idx: u64, slot: u32) -> i32 {
         index: slot,
         flags: 0,
     };
-    uring_cmd(ring, node, uapi::URING_CMD_REGISTER as u32, arg)
+    uring_cmd(ring, node, uapi::URING_CMD_REGISTER, arg)
 }
 
 /// Registers token `idx` into slot 0 of a new ring; `Ok(None)` means this kernel cannot (the
@@ -385,8 +385,8 @@ fn bad_commands_fail_with_their_errno() -> CaseResult {
         Ok(ring) => ring,
         Err(reason) => return ktap::skip(reason),
     };
-    let reg = uapi::URING_CMD_REGISTER as u32;
-    let unreg = uapi::URING_CMD_UNREGISTER as u32;
+    let reg = uapi::URING_CMD_REGISTER;
+    let unreg = uapi::URING_CMD_UNREGISTER;
     let arg = |idx: u64, index: u32, flags: u32| uapi::UringBuffer { idx, index, flags };
     let mut fresh = new_ring(4)?;
     let mut tableless = new_ring(0)?;
