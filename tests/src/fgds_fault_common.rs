@@ -444,3 +444,58 @@ impl Drop for RevokeTimeout {
         let _ = std::fs::write(Self::PATH, &self.0);
     }
 }
+
+/// Joins a helper thread of a case; its panic is the case's failure.
+pub fn join<T>(handle: std::thread::JoinHandle<T>, what: &str) -> anyhow::Result<T> {
+    handle
+        .join()
+        .map_err(|_| anyhow::anyhow!("the thread that {what} panicked"))
+}
+
+/// Puts `seed`'s pattern on `len` bytes of the drive at `nvme_off`.
+pub fn write_nvme_pattern(seed: u64, len: usize, nvme_off: u64) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileExt;
+
+    let nvme = common::nvme(true)?;
+    let mut ram = fgds_tests::guest::AlignedBuf::new(len)?;
+    fgds_tests::pattern::fill(seed, 0, ram.as_mut_slice());
+    nvme.write_all_at(ram.as_slice(), nvme_off)?;
+    Ok(())
+}
+
+/// The verdict on vgpu's last revocation, of the buffer at `bar_off`, made while a read
+/// (`read`, as it ended) was held in flight into it until `resumed` into the revocation: the
+/// invalidation returned without waiting for it, and the wait for fences ended only after it.
+pub fn check_held_revocation(
+    bar_off: u64,
+    resumed: Duration,
+    read: impl std::fmt::Debug,
+) -> anyhow::Result<()> {
+    let (off, invalidate, fences) = last_revoke()?;
+    ktap::diag(format_args!(
+        "held read: {read:?}; invalidation took {invalidate:?}, the wait for fences {fences:?}; \
+         the read was resumed {resumed:?} into the revocation"
+    ));
+    ensure!(off == bar_off, "vgpu's last revocation was of {off:#x}");
+    ensure!(
+        invalidate < resumed / 2,
+        "the invalidation callback took {invalidate:?} while the read was held for {resumed:?}: \
+         it waited for I/O"
+    );
+    ensure!(
+        invalidate + fences + Duration::from_millis(100) >= resumed,
+        "the fence signalled {:?} into the revocation, before the read was resumed at \
+         {resumed:?}",
+        invalidate + fences
+    );
+    Ok(())
+}
+
+/// The exporter reuses `[bar_off, bar_off + len)` (vgpu writes `seed`'s pattern there); half a
+/// second later the host finds it unchanged: nothing of a revoked buffer's I/O landed.
+pub fn reuse_and_check(bar_off: u64, len: u64, seed: u64) -> anyhow::Result<()> {
+    vgpu_fill(bar_off, len, seed)?;
+    std::thread::sleep(Duration::from_millis(500));
+    ctl::gpu_check(bar_off, len, seed)
+        .context("the host's look at GPU memory after the exporter reused it")
+}

@@ -25,7 +25,7 @@ use common::{MIB, Map, PAGE};
 use fault::{Child, SharedCounter};
 use fgds_tests::guest::AlignedBuf;
 use fgds_tests::ktap::{self, Case, CaseResult};
-use fgds_tests::{ctl, pattern};
+use fgds_tests::pattern;
 use rustix::io::Errno;
 
 /// NVMe scratch area of this program: the data the held reads carry.
@@ -106,12 +106,6 @@ fn held_read(
     Ok((bp, reader))
 }
 
-fn join<T>(handle: JoinHandle<T>, what: &str) -> anyhow::Result<T> {
-    handle
-        .join()
-        .map_err(|_| anyhow::anyhow!("the thread that {what} panicked"))
-}
-
 /// Revokes the vgpu buffer at `bar_off` in a thread (the write returns once fences signalled).
 fn revoke_in_thread(bar_off: u64) -> JoinHandle<anyhow::Result<()>> {
     std::thread::spawn(move || common::revoke(bar_off))
@@ -126,15 +120,6 @@ fn wait_zapped(ptr: *mut u8) -> anyhow::Result<()> {
         || Ok(common::load_in_child(ptr)? == 128 + libc::SIGBUS),
     )
     .map(drop)
-}
-
-/// Puts `seed`'s pattern on the drive's scratch area.
-fn write_scratch(seed: u64, len: usize) -> anyhow::Result<()> {
-    let nvme = common::nvme(true)?;
-    let mut ram = AlignedBuf::new(len)?;
-    pattern::fill(seed, 0, ram.as_mut_slice());
-    nvme.write_all_at(ram.as_slice(), SCRATCH)?;
-    Ok(())
 }
 
 /// Reads `len` bytes of BAR2 at `bar_off` through a fresh vgpu buffer of the same range:
@@ -159,7 +144,7 @@ fn held_read_never_lands_after_revocation() -> CaseResult {
     const LEN: u64 = 4 * MIB;
     // A deadline shorter than the hold: no timer may give the memory back.
     let _timeout = fault::RevokeTimeout::set(500)?;
-    write_scratch(SEED_READ, LEN as usize)?;
+    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
@@ -183,40 +168,21 @@ fn held_read_never_lands_after_revocation() -> CaseResult {
         !revoker.is_finished(),
         "the exporter's revocation returned while a read into the buffer was in flight: it got \
          the memory back early ({:?})",
-        join(revoker, "revoked")?
+        fault::join(revoker, "revoked")?
     );
     let resumed = started.elapsed();
     bp.resume()?;
-    let read = join(reader, "read")?;
-    join(revoker, "revoked")?.context("revoke")?;
-    let (off, invalidate, fences) = fault::last_revoke()?;
-    ktap::diag(format_args!(
-        "held read: {read:?}; invalidation took {invalidate:?}, the wait for fences {fences:?}; \
-         the read was resumed {resumed:?} into the revocation"
-    ));
-    ensure!(off == bar_off, "vgpu's last revocation was of {off:#x}");
+    let read = fault::join(reader, "read")?;
+    fault::join(revoker, "revoked")?.context("revoke")?;
+    fault::check_held_revocation(bar_off, resumed, read)?;
     ensure!(
         read == Ok(LEN as usize),
         "the held read ended with {read:?}, want {LEN} bytes (it pinned its pages before the \
          revocation)"
     );
-    ensure!(
-        invalidate < resumed / 2,
-        "the invalidation callback took {invalidate:?} while the read was held for {resumed:?}: \
-         it waited for I/O"
-    );
-    ensure!(
-        invalidate + fences + Duration::from_millis(100) >= resumed,
-        "the fence signalled {:?} into the revocation, before the read was resumed at \
-         {resumed:?}",
-        invalidate + fences
-    );
 
     // The exporter reuses the memory: anything of the read landing from now on would show.
-    fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
-    std::thread::sleep(Duration::from_millis(500));
-    ctl::gpu_check(bar_off, LEN, SEED_SENTINEL)
-        .context("the host's look at GPU memory after the exporter reused it")?;
+    fault::reuse_and_check(bar_off, LEN, SEED_SENTINEL)?;
     drop(map);
     drop(node);
     drop(dmabuf);
@@ -296,7 +262,7 @@ fn vmsplice_holds_revocation_until_drained() -> CaseResult {
         Duration::from_secs(10),
         || Ok(revoker.is_finished()),
     )?;
-    join(revoker, "revoked")?.context("revoke")?;
+    fault::join(revoker, "revoked")?.context("revoke")?;
     let (_, invalidate, fences) = fault::last_revoke()?;
     ktap::diag(format_args!(
         "pipe drained {drained_at:?} into the revocation; invalidation {invalidate:?}, fences \
@@ -655,8 +621,8 @@ fn teardown_past_its_deadline_keeps_waiting() -> CaseResult {
     let mode_meanwhile = common::sysfs("mode")?;
     let log = fgds_tests::guest::kernel_log_since(mark)?;
     bp.resume()?;
-    let read = join(reader, "read")?;
-    let unbound = join(unbinder, "unbound");
+    let read = fault::join(reader, "read")?;
+    let unbound = fault::join(unbinder, "unbound");
     drop(map);
     drop(node);
     rebind_vgpu(&bdf, &drv)?;
@@ -789,8 +755,8 @@ fn unbind_blocks_no_one_else() -> CaseResult {
         Ok(())
     })();
     bp.resume()?;
-    let read = join(reader, "read")?;
-    let unbound = join(unbinder, "unbound");
+    let read = fault::join(reader, "read")?;
+    let unbound = fault::join(unbinder, "unbound");
     let status = other.wait();
     drop(map);
     drop(node);
@@ -930,10 +896,10 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
             std::hint::spin_loop();
         }
         let unreg = common::unreg(&node, other);
-        join(revoker, "revoked")?.context("revoke")?;
+        fault::join(revoker, "revoked")?.context("revoke")?;
         stop.store(true, Ordering::Relaxed);
         for r in readers {
-            reads += join(r, "read")??;
+            reads += fault::join(r, "read")??;
         }
         ensure!(unreg.is_ok(), "UNREG of the other registration: {unreg:?}");
         common::unreg(&node, busy).context("UNREG of the busy one")?;

@@ -13,7 +13,6 @@ mod fault;
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::FileExt;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
@@ -143,27 +142,12 @@ fn fixed_io(
     }
 }
 
-/// Puts `seed`'s pattern on the drive's scratch area.
-fn write_scratch(seed: u64, len: usize) -> anyhow::Result<()> {
-    let nvme = common::nvme(true)?;
-    let mut ram = AlignedBuf::new(len)?;
-    pattern::fill(seed, 0, ram.as_mut_slice());
-    nvme.write_all_at(ram.as_slice(), SCRATCH)?;
-    Ok(())
-}
-
-fn join<T>(handle: JoinHandle<T>, what: &str) -> anyhow::Result<T> {
-    handle
-        .join()
-        .map_err(|_| anyhow::anyhow!("the thread that {what} panicked"))
-}
-
 /// A 4 MiB read from the drive into slot 0 of a new ring lands in GPU memory, and a write from
 /// the slot puts GPU memory on the drive: the registration is never mapped.
 fn slot_reads_and_writes_with_no_mapping() -> CaseResult {
     fault::require_idle()?;
     const LEN: u64 = 4 * MIB;
-    write_scratch(SEED_READ, LEN as usize)?;
+    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let (dmabuf, bar_off) = common::alloc(&vgpu, 2 * LEN)?;
@@ -229,7 +213,7 @@ fn held_slot_read_never_lands_after_revocation() -> CaseResult {
     const LEN: u64 = 4 * MIB;
     // A deadline shorter than the hold: no timer may give the memory back.
     let _timeout = fault::RevokeTimeout::set(500)?;
-    write_scratch(SEED_READ, LEN as usize)?;
+    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
@@ -254,7 +238,7 @@ fn held_slot_read_never_lands_after_revocation() -> CaseResult {
     ensure!(
         !reader.is_finished(),
         "the read was not held by the breakpoint: {:?}",
-        join(reader, "read")?.0
+        fault::join(reader, "read")?.0
     );
     fault::host_log("fgds_uring: vgpu revokes a buffer with a read through a slot held")?;
     let started = Instant::now();
@@ -277,33 +261,17 @@ fn held_slot_read_never_lands_after_revocation() -> CaseResult {
         !revoker.is_finished(),
         "the exporter's revocation returned while a read through the slot was in flight: it got \
          the memory back early ({:?})",
-        join(revoker, "revoked")?
+        fault::join(revoker, "revoked")?
     );
     let resumed = started.elapsed();
     bp.resume()?;
-    let (read, mut ring) = join(reader, "read")?;
-    join(revoker, "revoked")?.context("revoke")?;
-    let (off, invalidate, fences) = fault::last_revoke()?;
-    ktap::diag(format_args!(
-        "held read: {read}; invalidation took {invalidate:?}, the wait for fences {fences:?}; \
-         the read was resumed {resumed:?} into the revocation"
-    ));
-    ensure!(off == bar_off, "vgpu's last revocation was of {off:#x}");
+    let (read, mut ring) = fault::join(reader, "read")?;
+    fault::join(revoker, "revoked")?.context("revoke")?;
+    fault::check_held_revocation(bar_off, resumed, read)?;
     ensure!(
         read == LEN as i32,
         "the held read ended with {read}, want {LEN} bytes (it took the slot before the \
          revocation)"
-    );
-    ensure!(
-        invalidate < resumed / 2,
-        "the invalidation callback took {invalidate:?} while the read was held for {resumed:?}: \
-         it waited for I/O"
-    );
-    ensure!(
-        invalidate + fences + Duration::from_millis(100) >= resumed,
-        "the fence signalled {:?} into the revocation, before the read was resumed at \
-         {resumed:?}",
-        invalidate + fences
     );
     let late = fixed_io(&mut ring, &nvme, false, 0, PAGE as u32, SCRATCH);
     ensure!(
@@ -312,10 +280,7 @@ fn held_slot_read_never_lands_after_revocation() -> CaseResult {
     );
 
     // The exporter reuses the memory: anything of the read landing from now on would show.
-    fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
-    std::thread::sleep(Duration::from_millis(500));
-    ctl::gpu_check(bar_off, LEN, SEED_SENTINEL)
-        .context("the host's look at GPU memory after the exporter reused it")?;
+    fault::reuse_and_check(bar_off, LEN, SEED_SENTINEL)?;
     drop(ring);
     drop(other);
     drop(node);
