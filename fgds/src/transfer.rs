@@ -2,8 +2,12 @@
 //! up to `queue_depth` in flight.
 //!
 //! Every request pins the pages it moves for as long as it is in flight, and no longer. GPU
-//! memory is never an io_uring fixed buffer: such a pin would outlive a revocation, and the
-//! kernel refuses it for fgds mappings (docs/driver.md, "Revocation contract").
+//! memory is never pinned as an io_uring fixed buffer: such a pin would outlive a revocation,
+//! and the kernel refuses it for fgds mappings (docs/driver.md, "Revocation contract"). Where
+//! the kernel can revoke an io_uring kernel buffer (`FGDS_URING_CMD_REGISTER`, not upstream),
+//! each run puts the buffer into the ring's one slot instead and its requests pin nothing
+//! (docs/driver.md, "io_uring slots"); elsewhere, and where the buffer cannot go into a slot,
+//! the requests name its mapped address.
 
 use std::fs::File;
 use std::ops::Range;
@@ -57,6 +61,18 @@ pub enum Direction {
 pub struct Transfer {
     ring: IoUring,
     config: TransferConfig,
+    slot: Slot,
+}
+
+/// Whether the ring's one fixed-buffer slot can take a buffer (`FGDS_URING_CMD_REGISTER`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    /// Not asked yet.
+    Unknown,
+    /// The ring has a sparse table of one slot, empty between runs.
+    Table,
+    /// The kernel has no such slots (or no sparse table): requests pin as they go.
+    Unsupported,
 }
 
 /// What one `run` call moves, shared by its sub-requests.
@@ -66,6 +82,8 @@ struct Job<'a> {
     range: Range<usize>,
     file: &'a File,
     file_offset: u64,
+    /// The buffer is in the ring's slot: requests name it by offset, not by address.
+    in_slot: bool,
 }
 
 /// One sub-request: where it is in the range and how much of it is done.
@@ -89,7 +107,11 @@ impl Transfer {
                 len: 0,
                 source,
             })?;
-        Ok(Transfer { ring, config })
+        Ok(Transfer {
+            ring,
+            config,
+            slot: Slot::Unknown,
+        })
     }
 
     /// Moves `range` of `buffer` to or from `file` at `file_offset`; returns the bytes moved.
@@ -128,13 +150,56 @@ impl Transfer {
             });
             at += len;
         }
+        let in_slot = self.fill_slot(buffer);
         let job = Job {
             dir,
             buffer,
             range: range.clone(),
             file,
             file_offset,
+            in_slot,
         };
+        let moved = self.run_job(&job, chunks, op, total);
+        if in_slot {
+            // Every request has completed (`run_job` waits for them); a failure to empty the
+            // slot leaves the ring without one for later runs.
+            if buffer.unregister_from_ring(&mut self.ring, 0).is_err() {
+                self.slot = Slot::Unsupported;
+            }
+        }
+        moved
+    }
+
+    /// Puts `buffer` into the ring's slot where the kernel can; returns whether it did.
+    fn fill_slot(&mut self, buffer: &Buffer) -> bool {
+        if self.slot == Slot::Unknown {
+            self.slot = match self.ring.submitter().register_buffers_sparse(1) {
+                Ok(()) => Slot::Table,
+                Err(_) => Slot::Unsupported,
+            };
+        }
+        if self.slot != Slot::Table {
+            return false;
+        }
+        match buffer.register_in_ring(&mut self.ring, 0) {
+            Ok(()) => true,
+            Err(Error::Refused { errno, .. }) if errno == libc::EOPNOTSUPP => {
+                self.slot = Slot::Unsupported;
+                false
+            }
+            // A revoked buffer (ENODEV) or memory short: the mapped address fails or works
+            // on its own terms.
+            Err(_) => false,
+        }
+    }
+
+    fn run_job(
+        &mut self,
+        job: &Job<'_>,
+        mut chunks: Vec<Chunk>,
+        op: &'static str,
+        total: usize,
+    ) -> Result<usize> {
         let mut next = 0;
         let mut in_flight = 0usize;
         // The first failure in range order: (chunk index, error).
@@ -146,7 +211,7 @@ impl Transfer {
                 && next < chunks.len()
                 && in_flight < self.config.queue_depth as usize
             {
-                self.submit(&job, &chunks[next], next)?;
+                self.submit(job, &chunks[next], next)?;
                 next += 1;
                 in_flight += 1;
             }
@@ -179,7 +244,7 @@ impl Transfer {
                     short = Some(short.map_or(index, |s| s.min(index)));
                 } else if chunk.done < chunk.len && failure.is_none() {
                     // A partial completion: ask for the rest.
-                    self.submit(&job, &chunks[index], index)?;
+                    self.submit(job, &chunks[index], index)?;
                     in_flight += 1;
                 }
             }
@@ -209,14 +274,27 @@ impl Transfer {
     fn submit(&mut self, job: &Job<'_>, chunk: &Chunk, index: usize) -> Result<()> {
         let (dir, file, file_offset) = (job.dir, job.file, job.file_offset);
         let offset = job.range.start + chunk.start + chunk.done;
-        // SAFETY: `offset + (len - done)` stays inside `range`, which is inside the buffer.
-        let ptr = unsafe { job.buffer.as_ptr().add(offset) };
         let len = (chunk.len - chunk.done) as u32;
         let file_off = file_offset + (chunk.start + chunk.done) as u64;
         let fd = types::Fd(file.as_raw_fd());
-        let sqe = match dir {
-            Direction::Read => opcode::Read::new(fd, ptr, len).offset(file_off).build(),
-            Direction::Write => opcode::Write::new(fd, ptr, len).offset(file_off).build(),
+        let sqe = if job.in_slot {
+            // The slot is addressed by offset from the buffer's start.
+            let at = offset as *mut u8;
+            match dir {
+                Direction::Read => opcode::ReadFixed::new(fd, at, len, 0)
+                    .offset(file_off)
+                    .build(),
+                Direction::Write => opcode::WriteFixed::new(fd, at, len, 0)
+                    .offset(file_off)
+                    .build(),
+            }
+        } else {
+            // SAFETY: `offset + (len - done)` stays inside `range`, which is inside the buffer.
+            let ptr = unsafe { job.buffer.as_ptr().add(offset) };
+            match dir {
+                Direction::Read => opcode::Read::new(fd, ptr, len).offset(file_off).build(),
+                Direction::Write => opcode::Write::new(fd, ptr, len).offset(file_off).build(),
+            }
         }
         .user_data(index as u64);
         // SAFETY: the buffer and file outlive the request: `run` waits for every completion
