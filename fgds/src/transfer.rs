@@ -62,6 +62,7 @@ pub struct Transfer {
     ring: IoUring,
     config: TransferConfig,
     slot: Slot,
+    last_in_slot: bool,
 }
 
 /// Whether the ring's one fixed-buffer slot can take a buffer (`FGDS_URING_CMD_REGISTER`).
@@ -111,6 +112,7 @@ impl Transfer {
             ring,
             config,
             slot: Slot::Unknown,
+            last_in_slot: false,
         })
     }
 
@@ -151,6 +153,7 @@ impl Transfer {
             at += len;
         }
         let in_slot = self.fill_slot(buffer);
+        self.last_in_slot = in_slot;
         let job = Job {
             dir,
             buffer,
@@ -168,6 +171,12 @@ impl Transfer {
             }
         }
         moved
+    }
+
+    /// Whether the last [`Transfer::run`] went through the ring's fixed-buffer slot
+    /// (`FGDS_URING_CMD_REGISTER`: nothing pinned per request) rather than the mapped address.
+    pub fn last_run_in_slot(&self) -> bool {
+        self.last_in_slot
     }
 
     /// Puts `buffer` into the ring's slot where the kernel can; returns whether it did.

@@ -29,6 +29,9 @@ const SEED_SENTINEL: u64 = 0x5552_494e;
 const SEED_READ: u64 = 0x5552_5244;
 /// How long the held-read case keeps its read held.
 const HOLD: Duration = Duration::from_secs(2);
+/// Why every case skips on a kernel without the commands.
+const UNSUPPORTED: &str = "EOPNOTSUPP: this kernel cannot revoke io_uring kernel buffers (the \
+                           kernel change io-uring-revocable-kbuf)";
 /// The blkdebug breakpoint tag.
 const TAG: &str = "fgds_uring";
 
@@ -53,6 +56,10 @@ fn main() {
         Case {
             name: "readonly_dmabuf_slot_is_write_only",
             run: readonly_dmabuf_slot_is_write_only,
+        },
+        Case {
+            name: "crate_transfer_goes_through_a_slot",
+            run: crate_transfer_goes_through_a_slot,
         },
     ])
 }
@@ -98,11 +105,7 @@ fn ring_with_slot(node: &File, idx: u64) -> anyhow::Result<Result<IoUring, Strin
     let mut ring = new_ring(1)?;
     match register(&mut ring, node, idx, 0) {
         0 => Ok(Ok(ring)),
-        res if res == -libc::EOPNOTSUPP => Ok(Err(
-            "EOPNOTSUPP: this kernel cannot revoke io_uring kernel buffers (the kernel change \
-             io-uring-revocable-kbuf)"
-                .to_owned(),
-        )),
+        res if res == -libc::EOPNOTSUPP => Ok(Err(UNSUPPORTED.to_owned())),
         res => bail!(
             "FGDS_URING_CMD_REGISTER failed: {}",
             std::io::Error::from_raw_os_error(-res)
@@ -456,5 +459,47 @@ fn readonly_dmabuf_slot_is_write_only() -> CaseResult {
         pattern::first_mismatch(SEED_SENTINEL, 0, back.as_slice()).is_none(),
         "the drive did not get the GPU memory's data"
     );
+    ktap::pass()
+}
+
+/// The crate's `Transfer` (the CLI's and Python's path) reads through its ring's slot where
+/// the kernel has the commands, and the data arrives.
+fn crate_transfer_goes_through_a_slot() -> CaseResult {
+    fault::require_idle()?;
+    const LEN: u64 = 4 * MIB;
+    // Whether the kernel has the commands: a token no file has gives ENOENT if so.
+    let mut probe = new_ring(1)?;
+    match register(
+        &mut probe,
+        &common::open_node()?,
+        (u64::from(u32::MAX) + 1) << 12,
+        0,
+    ) {
+        res if res == -libc::ENOENT => {}
+        res if res == -libc::EOPNOTSUPP => return ktap::skip(UNSUPPORTED),
+        res => bail!("FGDS_URING_CMD_REGISTER of an unknown token gave {res}, want ENOENT"),
+    }
+    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
+    let gpu = fgds::Gpu::open(&common::vgpu_bdf()?)?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    let buffer = gpu.register(dmabuf.as_fd(), 0, LEN)?;
+    let file = common::nvme(false)?;
+    let mut transfer = fgds::Transfer::new(fgds::TransferConfig::DEFAULT)?;
+    let n = transfer.run(
+        fgds::Direction::Read,
+        &buffer,
+        0..LEN as usize,
+        &file,
+        SCRATCH,
+    )?;
+    ensure!(n == LEN as usize, "the transfer moved {n} bytes");
+    ensure!(
+        transfer.last_run_in_slot(),
+        "the transfer read through the mapping, not through its ring's slot"
+    );
+    ctl::gpu_check(bar_off, LEN, SEED_READ).context("GPU memory after the transfer")?;
+    drop((transfer, buffer, gpu, dmabuf));
+    fault::wait_counters_zero("after the case")?;
     ktap::pass()
 }
