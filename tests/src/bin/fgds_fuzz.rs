@@ -1844,13 +1844,17 @@ fn op_slot_reg(w: &Worker, rng: &mut Rng) {
             fgds::uapi::URING_CMD_REGISTER,
             arg,
         );
+        // fgds refuses a revoked registration (ENODEV) before io_uring looks at the slot.
         let mut allowed = Vec::new();
         if !r.supported {
             allowed.push(Errno::OPNOTSUPP);
-        } else if r.slots[index].is_some() {
-            allowed.push(Errno::BUSY);
-        } else if reg.buf.may_be_revoked(sh) || sh.stale(reg.node.epoch) {
-            allowed.push(Errno::NODEV);
+        } else {
+            if r.slots[index].is_some() {
+                allowed.push(Errno::BUSY);
+            }
+            if reg.buf.may_be_revoked(sh) || sh.stale(reg.node.epoch) {
+                allowed.push(Errno::NODEV);
+            }
         }
         sh.check(
             "slot_reg",
