@@ -113,9 +113,10 @@ void fgds_buf_users_kill(struct fgds_buf *buf)
  */
 bool fgds_buf_users_quiet(struct fgds_buf *buf)
 {
+	if (!READ_ONCE(buf->users_dead))
+		return true;
 	/* Pairs with the release in fgds_users_release(). */
-	return !READ_ONCE(buf->users_dead) ||
-	       smp_load_acquire(&buf->users_done);
+	return smp_load_acquire(&buf->users_done);
 }
 
 static void fgds_slot_put_fn(struct work_struct *work)
