@@ -6,7 +6,8 @@ use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use crate::error::{Error, Result};
 use crate::uapi;
@@ -26,6 +27,10 @@ pub struct Buffer {
     idx: u64,
     ptr: NonNull<u8>,
     len: usize,
+    /// Unique in the process, unlike `idx`, which the kernel hands out again after UNREG.
+    serial: u64,
+    /// The rings of the [`crate::Transfer`]s that put this buffer into their slot.
+    rings: Mutex<Vec<Weak<Mutex<crate::transfer::Ring>>>>,
 }
 
 // SAFETY: the buffer is an address range plus a file; nothing in it is tied to a thread.
@@ -56,6 +61,8 @@ impl Buffer {
                 idx,
                 ptr: NonNull::new(ptr.cast()).expect("mmap returned NULL"),
                 len: len_usize,
+                serial: NEXT_SERIAL.fetch_add(1, Ordering::Relaxed),
+                rings: Mutex::new(Vec::new()),
             }),
             Err(errno) => {
                 unregister(&node, idx);
@@ -82,6 +89,17 @@ impl Buffer {
     /// The registration's token (the mmap offset).
     pub fn idx(&self) -> u64 {
         self.idx
+    }
+
+    pub(crate) fn serial(&self) -> u64 {
+        self.serial
+    }
+
+    /// Records that `ring`'s slot holds this buffer, to be emptied when it is dropped.
+    pub(crate) fn held_by(&self, ring: Weak<Mutex<crate::transfer::Ring>>) {
+        let mut rings = self.rings.lock().unwrap_or_else(PoisonError::into_inner);
+        rings.retain(|r| r.strong_count() > 0 && !r.ptr_eq(&ring));
+        rings.push(ring);
     }
 
     /// Reads `range.len()` bytes of `file` at `file_offset` into `range` of the buffer, with
@@ -240,8 +258,16 @@ fn uring_cmd(
     Err(refused(-res, format!("{err}{hint}")))
 }
 
+/// Where [`Buffer::serial`]s come from.
+static NEXT_SERIAL: AtomicU64 = AtomicU64::new(0);
+
 impl Drop for Buffer {
     fn drop(&mut self) {
+        // The slots first: a ring's lock is never taken under `rings`.
+        let rings = std::mem::take(self.rings.get_mut().unwrap_or_else(PoisonError::into_inner));
+        for ring in rings.iter().filter_map(Weak::upgrade) {
+            crate::transfer::release_slot(&ring, self);
+        }
         // SAFETY: exactly the mapping made in `map`; no reference into it exists.
         let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
         unregister(&self.node, self.idx);

@@ -5,13 +5,20 @@
 //! memory is never pinned as an io_uring fixed buffer: such a pin would outlive a revocation,
 //! and the kernel refuses it for fgds mappings (docs/driver.md, "Revocation contract"). Where
 //! the kernel can revoke an io_uring kernel buffer (`FGDS_URING_CMD_REGISTER`, not upstream),
-//! each run puts the buffer into the ring's one slot instead and its requests pin nothing
+//! the buffer goes into the ring's one slot instead and its requests pin nothing
 //! (docs/driver.md, "io_uring slots"); elsewhere, and where the buffer cannot go into a slot,
 //! the requests name its mapped address.
+//!
+//! The slot keeps the last buffer a [`Transfer`] moved until it moves another one or is
+//! dropped, so that runs on the same buffer do not put it in again (the kernel builds the
+//! slot's page array per registration: 262,144 entries per GiB of order-0 pages). Dropping the
+//! [`Buffer`] empties the slot of every ring that holds it, so the registration, and the GPU
+//! memory its dma-buf keeps, goes with the buffer as before.
 
 use std::fs::File;
 use std::ops::Range;
 use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use io_uring::{IoUring, opcode, types};
 
@@ -59,19 +66,27 @@ pub enum Direction {
 /// # Ok::<(), fgds::Error>(())
 /// ```
 pub struct Transfer {
-    ring: IoUring,
+    ring: Arc<Mutex<Ring>>,
     config: TransferConfig,
-    slot: Slot,
     last_in_slot: bool,
 }
 
-/// Whether the ring's one fixed-buffer slot can take a buffer (`FGDS_URING_CMD_REGISTER`).
+/// A [`Transfer`]'s io_uring and what its fixed-buffer slot holds. The buffers put in the slot
+/// keep a weak reference to it, to empty the slot when they are dropped.
+pub(crate) struct Ring {
+    uring: IoUring,
+    slot: Slot,
+}
+
+/// What the ring's one fixed-buffer slot (`FGDS_URING_CMD_REGISTER`) holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
-    /// Not asked yet.
+    /// Not asked yet whether the ring can have one.
     Unknown,
-    /// The ring has a sparse table of one slot, empty between runs.
-    Table,
+    /// The ring has a sparse table of one slot, empty.
+    Empty,
+    /// The slot holds the buffer with this [`Buffer::serial`].
+    Holds(u64),
     /// The kernel has no such slots (or no sparse table): requests pin as they go.
     Unsupported,
 }
@@ -109,9 +124,11 @@ impl Transfer {
                 source,
             })?;
         Ok(Transfer {
-            ring,
+            ring: Arc::new(Mutex::new(Ring {
+                uring: ring,
+                slot: Slot::Unknown,
+            })),
             config,
-            slot: Slot::Unknown,
             last_in_slot: false,
         })
     }
@@ -152,7 +169,9 @@ impl Transfer {
             });
             at += len;
         }
-        let in_slot = self.fill_slot(buffer);
+        let shared = Arc::clone(&self.ring);
+        let mut ring = lock(&shared);
+        let in_slot = fill_slot(&mut ring, &shared, buffer);
         self.last_in_slot = in_slot;
         let job = Job {
             dir,
@@ -162,15 +181,7 @@ impl Transfer {
             file_offset,
             in_slot,
         };
-        let moved = self.run_job(&job, chunks, op, total);
-        if in_slot {
-            // Every request has completed (`run_job` waits for them); a failure to empty the
-            // slot leaves the ring without one for later runs.
-            if buffer.unregister_from_ring(&mut self.ring, 0).is_err() {
-                self.slot = Slot::Unsupported;
-            }
-        }
-        moved
+        run_job(&mut ring.uring, self.config, &job, chunks, op, total)
     }
 
     /// Whether the last [`Transfer::run`] went through the ring's fixed-buffer slot
@@ -178,138 +189,176 @@ impl Transfer {
     pub fn last_run_in_slot(&self) -> bool {
         self.last_in_slot
     }
+}
 
-    /// Puts `buffer` into the ring's slot where the kernel can; returns whether it did.
-    fn fill_slot(&mut self, buffer: &Buffer) -> bool {
-        if self.slot == Slot::Unknown {
-            self.slot = match self.ring.submitter().register_buffers_sparse(1) {
-                Ok(()) => Slot::Table,
+/// Puts `buffer` into the ring's slot where the kernel can, unless it is there already;
+/// returns whether it is there. `shared` is the mutex `ring` is locked from.
+fn fill_slot(ring: &mut Ring, shared: &Arc<Mutex<Ring>>, buffer: &Buffer) -> bool {
+    match ring.slot {
+        Slot::Unknown => {
+            ring.slot = match ring.uring.submitter().register_buffers_sparse(1) {
+                Ok(()) => Slot::Empty,
                 Err(_) => Slot::Unsupported,
             };
-        }
-        if self.slot != Slot::Table {
-            return false;
-        }
-        match buffer.register_in_ring(&mut self.ring, 0) {
-            Ok(()) => true,
-            Err(Error::Refused { errno, .. }) if errno == libc::EOPNOTSUPP => {
-                self.slot = Slot::Unsupported;
-                false
+            if ring.slot == Slot::Unsupported {
+                return false;
             }
-            // A revoked buffer (ENODEV) or memory short: the mapped address fails or works
-            // on its own terms.
-            Err(_) => false,
         }
+        Slot::Empty => {}
+        Slot::Holds(serial) if serial == buffer.serial() => return true,
+        Slot::Holds(_) => {
+            // Another buffer's: the command names the slot, not the buffer. A failure to empty
+            // it leaves the ring without a slot for later runs.
+            if buffer.unregister_from_ring(&mut ring.uring, 0).is_err() {
+                ring.slot = Slot::Unsupported;
+                return false;
+            }
+            ring.slot = Slot::Empty;
+        }
+        Slot::Unsupported => return false,
     }
+    match buffer.register_in_ring(&mut ring.uring, 0) {
+        Ok(()) => {
+            ring.slot = Slot::Holds(buffer.serial());
+            buffer.held_by(Arc::downgrade(shared));
+            true
+        }
+        Err(Error::Refused { errno, .. }) if errno == libc::EOPNOTSUPP => {
+            ring.slot = Slot::Unsupported;
+            false
+        }
+        // A revoked buffer (ENODEV) or memory short: the mapped address fails or works on its
+        // own terms.
+        Err(_) => false,
+    }
+}
 
-    fn run_job(
-        &mut self,
-        job: &Job<'_>,
-        mut chunks: Vec<Chunk>,
-        op: &'static str,
-        total: usize,
-    ) -> Result<usize> {
-        let mut next = 0;
-        let mut in_flight = 0usize;
-        // The first failure in range order: (chunk index, error).
-        let mut failure: Option<(usize, std::io::Error)> = None;
-        let mut short: Option<usize> = None;
-        loop {
-            while failure.is_none()
-                && short.is_none()
-                && next < chunks.len()
-                && in_flight < self.config.queue_depth as usize
-            {
-                self.submit(job, &chunks[next], next)?;
-                next += 1;
+/// Empties `ring`'s slot if it holds `buffer`, which is being dropped. Nothing is in flight:
+/// a run holds the ring's lock and borrows its buffer until its last request completed.
+pub(crate) fn release_slot(ring: &Mutex<Ring>, buffer: &Buffer) {
+    let mut ring = lock(ring);
+    if ring.slot != Slot::Holds(buffer.serial()) {
+        return;
+    }
+    ring.slot = match buffer.unregister_from_ring(&mut ring.uring, 0) {
+        Ok(()) => Slot::Empty,
+        Err(_) => Slot::Unsupported,
+    };
+}
+
+/// Locks a ring. A poisoned lock is taken as it is: the slot's state is only ever set after
+/// the command it records succeeded.
+fn lock(ring: &Mutex<Ring>) -> MutexGuard<'_, Ring> {
+    ring.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn run_job(
+    uring: &mut IoUring,
+    config: TransferConfig,
+    job: &Job<'_>,
+    mut chunks: Vec<Chunk>,
+    op: &'static str,
+    total: usize,
+) -> Result<usize> {
+    let mut next = 0;
+    let mut in_flight = 0usize;
+    // The first failure in range order: (chunk index, error).
+    let mut failure: Option<(usize, std::io::Error)> = None;
+    let mut short: Option<usize> = None;
+    loop {
+        while failure.is_none()
+            && short.is_none()
+            && next < chunks.len()
+            && in_flight < config.queue_depth as usize
+        {
+            submit(uring, job, &chunks[next], next)?;
+            next += 1;
+            in_flight += 1;
+        }
+        if in_flight == 0 {
+            break;
+        }
+        uring.submit_and_wait(1).map_err(|source| Error::Io {
+            op,
+            done: 0,
+            len: total as u64,
+            source,
+        })?;
+        let completions = uring
+            .completion()
+            .map(|cqe| (cqe.user_data() as usize, cqe.result()))
+            .collect::<Vec<_>>();
+        for (index, res) in completions {
+            in_flight -= 1;
+            let chunk = &mut chunks[index];
+            if res < 0 {
+                let err = std::io::Error::from_raw_os_error(-res);
+                if failure.as_ref().is_none_or(|(i, _)| index < *i) {
+                    failure = Some((index, err));
+                }
+                continue;
+            }
+            chunk.done += res as usize;
+            if res == 0 {
+                short = Some(short.map_or(index, |s| s.min(index)));
+            } else if chunk.done < chunk.len && failure.is_none() {
+                // A partial completion: ask for the rest.
+                submit(uring, job, &chunks[index], index)?;
                 in_flight += 1;
             }
-            if in_flight == 0 {
-                break;
-            }
-            self.ring.submit_and_wait(1).map_err(|source| Error::Io {
-                op,
-                done: 0,
-                len: total as u64,
-                source,
-            })?;
-            let completions = self
-                .ring
-                .completion()
-                .map(|cqe| (cqe.user_data() as usize, cqe.result()))
-                .collect::<Vec<_>>();
-            for (index, res) in completions {
-                in_flight -= 1;
-                let chunk = &mut chunks[index];
-                if res < 0 {
-                    let err = std::io::Error::from_raw_os_error(-res);
-                    if failure.as_ref().is_none_or(|(i, _)| index < *i) {
-                        failure = Some((index, err));
-                    }
-                    continue;
-                }
-                chunk.done += res as usize;
-                if res == 0 {
-                    short = Some(short.map_or(index, |s| s.min(index)));
-                } else if chunk.done < chunk.len && failure.is_none() {
-                    // A partial completion: ask for the rest.
-                    self.submit(job, &chunks[index], index)?;
-                    in_flight += 1;
-                }
-            }
-        }
-        let done = chunks
-            .iter()
-            .take_while(|c| c.done == c.len)
-            .map(|c| c.len)
-            .sum::<usize>();
-        let first_bad = chunks.iter().position(|c| c.done < c.len);
-        match (first_bad, failure) {
-            (None, _) => Ok(done),
-            (Some(bad), Some((index, source))) if index == bad => Err(Error::Io {
-                op,
-                done: done as u64,
-                len: total as u64,
-                source,
-            }),
-            (Some(_), _) => Err(Error::ShortTransfer {
-                op,
-                done: done as u64,
-                len: total as u64,
-            }),
         }
     }
+    let done = chunks
+        .iter()
+        .take_while(|c| c.done == c.len)
+        .map(|c| c.len)
+        .sum::<usize>();
+    let first_bad = chunks.iter().position(|c| c.done < c.len);
+    match (first_bad, failure) {
+        (None, _) => Ok(done),
+        (Some(bad), Some((index, source))) if index == bad => Err(Error::Io {
+            op,
+            done: done as u64,
+            len: total as u64,
+            source,
+        }),
+        (Some(_), _) => Err(Error::ShortTransfer {
+            op,
+            done: done as u64,
+            len: total as u64,
+        }),
+    }
+}
 
-    fn submit(&mut self, job: &Job<'_>, chunk: &Chunk, index: usize) -> Result<()> {
-        let (dir, file, file_offset) = (job.dir, job.file, job.file_offset);
-        let offset = job.range.start + chunk.start + chunk.done;
-        let len = (chunk.len - chunk.done) as u32;
-        let file_off = file_offset + (chunk.start + chunk.done) as u64;
-        let fd = types::Fd(file.as_raw_fd());
-        let sqe = if job.in_slot {
-            // The slot is addressed by offset from the buffer's start.
-            let at = offset as *mut u8;
-            match dir {
-                Direction::Read => opcode::ReadFixed::new(fd, at, len, 0)
-                    .offset(file_off)
-                    .build(),
-                Direction::Write => opcode::WriteFixed::new(fd, at, len, 0)
-                    .offset(file_off)
-                    .build(),
-            }
-        } else {
-            // SAFETY: `offset + (len - done)` stays inside `range`, which is inside the buffer.
-            let ptr = unsafe { job.buffer.as_ptr().add(offset) };
-            match dir {
-                Direction::Read => opcode::Read::new(fd, ptr, len).offset(file_off).build(),
-                Direction::Write => opcode::Write::new(fd, ptr, len).offset(file_off).build(),
-            }
+fn submit(uring: &mut IoUring, job: &Job<'_>, chunk: &Chunk, index: usize) -> Result<()> {
+    let (dir, file, file_offset) = (job.dir, job.file, job.file_offset);
+    let offset = job.range.start + chunk.start + chunk.done;
+    let len = (chunk.len - chunk.done) as u32;
+    let file_off = file_offset + (chunk.start + chunk.done) as u64;
+    let fd = types::Fd(file.as_raw_fd());
+    let sqe = if job.in_slot {
+        // The slot is addressed by offset from the buffer's start.
+        let at = offset as *mut u8;
+        match dir {
+            Direction::Read => opcode::ReadFixed::new(fd, at, len, 0)
+                .offset(file_off)
+                .build(),
+            Direction::Write => opcode::WriteFixed::new(fd, at, len, 0)
+                .offset(file_off)
+                .build(),
         }
-        .user_data(index as u64);
-        // SAFETY: the buffer and file outlive the request: `run` waits for every completion
-        // before returning, also on errors.
-        unsafe { self.ring.submission().push(&sqe) }
-            .map_err(|_| Error::Invalid("io_uring submission queue is full".to_owned()))?;
-        Ok(())
+    } else {
+        // SAFETY: `offset + (len - done)` stays inside `range`, which is inside the buffer.
+        let ptr = unsafe { job.buffer.as_ptr().add(offset) };
+        match dir {
+            Direction::Read => opcode::Read::new(fd, ptr, len).offset(file_off).build(),
+            Direction::Write => opcode::Write::new(fd, ptr, len).offset(file_off).build(),
+        }
     }
+    .user_data(index as u64);
+    // SAFETY: the buffer and file outlive the request: `run` waits for every completion
+    // before returning, also on errors.
+    unsafe { uring.submission().push(&sqe) }
+        .map_err(|_| Error::Invalid("io_uring submission queue is full".to_owned()))?;
+    Ok(())
 }

@@ -27,6 +27,7 @@ use io_uring::{IoUring, opcode, types};
 const SCRATCH: u64 = 224 * MIB;
 const SEED_SENTINEL: u64 = 0x5552_494e;
 const SEED_READ: u64 = 0x5552_5244;
+const SEED_AGAIN: u64 = 0x5552_4147;
 /// How long the held-read case keeps its read held.
 const HOLD: Duration = Duration::from_secs(2);
 /// Why every case skips on a kernel without the commands.
@@ -467,6 +468,7 @@ fn readonly_dmabuf_slot_is_write_only() -> CaseResult {
 fn crate_transfer_goes_through_a_slot() -> CaseResult {
     fault::require_idle()?;
     const LEN: u64 = 4 * MIB;
+    const OTHER_LEN: u64 = 2 * MIB;
     // Whether the kernel has the commands: a token no file has gives ENOENT if so.
     let mut probe = new_ring(1)?;
     match register(
@@ -479,27 +481,83 @@ fn crate_transfer_goes_through_a_slot() -> CaseResult {
         res if res == -libc::EOPNOTSUPP => return ktap::skip(UNSUPPORTED),
         res => bail!("FGDS_URING_CMD_REGISTER of an unknown token gave {res}, want ENOENT"),
     }
-    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
+    drop(probe);
     let gpu = fgds::Gpu::open(&common::vgpu_bdf()?)?;
     let vgpu = common::vgpu()?;
     let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
     let buffer = gpu.register(dmabuf.as_fd(), 0, LEN)?;
     let file = common::nvme(false)?;
     let mut transfer = fgds::Transfer::new(fgds::TransferConfig::DEFAULT)?;
-    let n = transfer.run(
+    // Two runs on the same buffer: the slot keeps it in between.
+    for (run, seed) in [(1, SEED_READ), (2, SEED_AGAIN)] {
+        fault::write_nvme_pattern(seed, LEN as usize, SCRATCH)?;
+        let n = transfer.run(
+            fgds::Direction::Read,
+            &buffer,
+            0..LEN as usize,
+            &file,
+            SCRATCH,
+        )?;
+        ensure!(n == LEN as usize, "run {run} moved {n} bytes");
+        ensure!(
+            transfer.last_run_in_slot(),
+            "run {run} read through the mapping, not through its ring's slot"
+        );
+        ctl::gpu_check(bar_off, LEN, seed)
+            .with_context(|| format!("GPU memory after run {run}"))?;
+        ensure!(
+            slots_of_len(LEN)? == 1,
+            "after run {run} no ring's slot holds the {LEN}-byte buffer: the transfer emptied it"
+        );
+    }
+    // Another buffer takes the slot; dropping it empties the slot while the transfer lives.
+    let (other_dmabuf, other_off) = common::alloc(&vgpu, OTHER_LEN)?;
+    let other = gpu.register(other_dmabuf.as_fd(), 0, OTHER_LEN)?;
+    transfer.run(
         fgds::Direction::Read,
-        &buffer,
-        0..LEN as usize,
+        &other,
+        0..OTHER_LEN as usize,
         &file,
         SCRATCH,
     )?;
-    ensure!(n == LEN as usize, "the transfer moved {n} bytes");
+    ctl::gpu_check(other_off, OTHER_LEN, SEED_AGAIN).context("the other buffer's GPU memory")?;
+    let held = (slots_of_len(LEN)?, slots_of_len(OTHER_LEN)?);
     ensure!(
-        transfer.last_run_in_slot(),
-        "the transfer read through the mapping, not through its ring's slot"
+        held == (0, 1),
+        "slots holding the first and the second buffer after the second's run: {held:?}, want \
+         (0, 1)"
     );
-    ctl::gpu_check(bar_off, LEN, SEED_READ).context("GPU memory after the transfer")?;
-    drop((transfer, buffer, gpu, dmabuf));
+    drop(other);
+    let left = slots_of_len(OTHER_LEN)?;
+    ensure!(
+        left == 0,
+        "{left} slot(s) still hold the dropped buffer: dropping a Buffer must empty the slots \
+         that hold it"
+    );
+    drop((transfer, buffer, gpu, dmabuf, other_dmabuf));
     fault::wait_counters_zero("after the case")?;
     ktap::pass()
+}
+
+/// How many slots of this process's io_uring instances hold a kernel buffer of `len` bytes,
+/// from `/proc/self/fdinfo` (io_uring lists its table as `<slot>: 0x<addr>/<len>`, empty slots
+/// as `<none>`).
+fn slots_of_len(len: u64) -> anyhow::Result<usize> {
+    let want = format!(": 0x0/{len}");
+    let mut n = 0;
+    for entry in std::fs::read_dir("/proc/self/fdinfo").context("/proc/self/fdinfo")? {
+        let Ok(info) = std::fs::read_to_string(entry?.path()) else {
+            continue; // closed since the listing
+        };
+        let Some(table) = info.split("UserBufs:").nth(1) else {
+            continue;
+        };
+        n += table
+            .lines()
+            .skip(1)
+            .take_while(|l| l.starts_with(' '))
+            .filter(|l| l.trim_end().ends_with(&want))
+            .count();
+    }
+    Ok(n)
 }
