@@ -16,12 +16,17 @@
 //!   `seed` (`fgds_tests::pattern`) as it stands at `pattern-offset` of its stream (default 0);
 //!   `ok` if they match, else `error` with the first differing byte. Numbers are decimal or
 //!   `0x` hex; offsets and lengths multiples of 8;
+//! - `qemu_cpu`: the CPU time QEMU has used so far, in nanoseconds, all its threads and its
+//!   vCPU threads alone: `ok <all> <vcpus>` (`QemuCpu`), for the bench to tell the host's
+//!   cost of a mode (device emulation, DMA) from the guest's;
 //! - `log <text>`: only recorded.
 //!
 //! Every request, its reply and its timing go to the run's fault log, so a run's artifacts say
 //! what was injected and checked when.
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -147,6 +152,7 @@ fn run(
     let mut reader = BufReader::new(stream);
     let mut line = String::new();
     let mut backends = 0;
+    let mut qemu = QemuCpu::new(peer_pid(&writer));
     while !stop.load(Ordering::Relaxed) {
         match reader.read_line(&mut line) {
             Ok(0) => break,
@@ -154,6 +160,15 @@ fn run(
                 let request = line.trim().to_owned();
                 line.clear();
                 if request.is_empty() {
+                    continue;
+                }
+                if request == "qemu_cpu" {
+                    // Asked around every turn of a benchmark: answered, not logged.
+                    let reply = match qemu.read() {
+                        Ok((all, vcpus)) => format!("ok {all} {vcpus}"),
+                        Err(err) => format!("error {err:#}"),
+                    };
+                    writer.write_all(format!("{reply}\n").as_bytes())?;
                     continue;
                 }
                 log.line(&format!("request: {request}"));
@@ -208,9 +223,98 @@ fn execute(
         "gpu_check" => gpu_check(&gpu.backing, gpu.bytes, rest),
         "log" => Ok(String::new()),
         other => anyhow::bail!(
-            "unknown request {other:?}: use device_del, device_add, gpu_add, hmp, gpu_check or \
-             log"
+            "unknown request {other:?}: use device_del, device_add, gpu_add, hmp, gpu_check, \
+             qemu_cpu or log"
         ),
+    }
+}
+
+/// The process at the other end of the control socket: QEMU, which listens on it.
+fn peer_pid(stream: &UnixStream) -> Option<i32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes of a `ucred` and its size, as SO_PEERCRED
+    // needs, and the descriptor is the stream's, open for the call.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0 && cred.pid > 0).then_some(cred.pid)
+}
+
+/// QEMU's CPU time, summed over its threads from `/proc/<pid>/task/*/schedstat` (nanoseconds
+/// on the CPU). Threads come and go (the block layer's worker pool): each reading adds what
+/// every thread ran since the last one, so a thread that ended loses only its time after it;
+/// `/proc/<pid>/stat`, which keeps ended threads' time, counts in 10 ms ticks, too coarse for
+/// turns of 0.1 s.
+struct QemuCpu {
+    pid: Option<i32>,
+    /// Each thread's run time at the last reading, and whether it is a vCPU thread.
+    seen: HashMap<u32, (u64, bool)>,
+    all: u64,
+    vcpus: u64,
+}
+
+impl QemuCpu {
+    fn new(pid: Option<i32>) -> QemuCpu {
+        QemuCpu {
+            pid,
+            seen: HashMap::new(),
+            all: 0,
+            vcpus: 0,
+        }
+    }
+
+    /// The nanoseconds QEMU's threads ran so far: all of them, and the vCPU threads alone
+    /// (named `CPU <n>/TCG` or `CPU <n>/KVM`). Only differences between readings mean much.
+    fn read(&mut self) -> anyhow::Result<(u64, u64)> {
+        use anyhow::Context;
+        let pid = self
+            .pid
+            .context("QEMU's pid is unknown (SO_PEERCRED on the control socket failed)")?;
+        let tasks = format!("/proc/{pid}/task");
+        let mut now = HashMap::new();
+        for entry in std::fs::read_dir(&tasks).with_context(|| format!("cannot list {tasks}"))? {
+            let entry = entry?;
+            let Some(tid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|t| t.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            // A thread that ended since the listing has nothing to add.
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("schedstat")) else {
+                continue;
+            };
+            let ran = stat
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .with_context(|| format!("{tasks}/{tid}/schedstat: {stat:?}"))?;
+            let vcpu = match self.seen.get(&tid) {
+                Some(&(_, vcpu)) => vcpu,
+                None => std::fs::read_to_string(entry.path().join("comm"))
+                    .is_ok_and(|c| c.starts_with("CPU ")),
+            };
+            let grew = ran.saturating_sub(self.seen.get(&tid).map_or(0, |&(r, _)| r));
+            self.all += grew;
+            if vcpu {
+                self.vcpus += grew;
+            }
+            now.insert(tid, (ran, vcpu));
+        }
+        self.seen = now;
+        Ok((self.all, self.vcpus))
     }
 }
 

@@ -116,7 +116,8 @@ pub fn gpu_check_at(offset: u64, len: u64, seed: u64, pattern_offset: u64) -> an
     .map(drop)
 }
 
-fn port_path() -> anyhow::Result<PathBuf> {
+/// The control channel's port in the guest (`/dev/vportNpM`).
+pub fn port_path() -> anyhow::Result<PathBuf> {
     for entry in std::fs::read_dir("/sys/class/virtio-ports")
         .context("no virtio ports")?
         .flatten()

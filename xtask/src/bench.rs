@@ -374,7 +374,7 @@ fn grid<'a>(rows: &'a [Value], set: &str) -> Grid<'a> {
 fn print_table(rows: &[Value]) {
     let same_pages = grid(rows, P2PMEM_SET);
     println!(
-        "{:<6} {:>4} {:>9} | {:>9} {:>7} {:>7} | {:>8} {:>8} | {:>7} {:>9}",
+        "{:<6} {:>4} {:>9} | {:>9} {:>7} {:>7} | {:>8} {:>8} | {:>7} {:>7} | {:>7} {:>9}",
         "op",
         "qd",
         "block",
@@ -383,6 +383,8 @@ fn print_table(rows: &[Value]) {
         "bounce",
         "CPU dir",
         "CPU ram",
+        "QEMU",
+        "QEMU io",
         "p2pmem",
         "dir/p2pm"
     );
@@ -397,8 +399,9 @@ fn print_table(rows: &[Value]) {
         };
         let other = same_pages.get(&(op.clone(), qd, bs));
         let p2p = |a: &str, b: &str| fmt_ratio(other.and_then(|m| paired(m, a, b)));
+        let host = |key: &str| fmt_ratio(paired_by(&modes, key, "direct", "ram"));
         println!(
-            "{:<6} {:>4} {:>9} | {:>9.1} {:>7} {:>7} | {:>8} {:>8} | {:>7} {:>9}",
+            "{:<6} {:>4} {:>9} | {:>9.1} {:>7} {:>7} | {:>8} {:>8} | {:>7} {:>7} | {:>7} {:>9}",
             op,
             qd,
             human(bs),
@@ -407,12 +410,16 @@ fn print_table(rows: &[Value]) {
             ratio("bounce"),
             cpu("direct"),
             cpu("ram"),
+            host("turn_host_cpu_s_per_gib"),
+            host("turn_host_io_s_per_gib"),
             p2p("p2pmem", "ram"),
             p2p("direct", "p2pmem"),
         );
     }
     println!(
         "(direct, bounce: throughput as a ratio of ram's in the same turns; CPU: guest CPU s per GiB; \
+         QEMU, QEMU io: the host's CPU per GiB in QEMU for direct as a ratio of ram's, all its \
+         threads and those that are not vCPUs (the drive's emulation and its DMA); \
          p2pmem, dir/p2pm: from the boot where vgpu's own P2PDMA pages back both direct and p2pmem, \
          p2pmem as a ratio of that boot's ram, direct as a ratio of p2pmem)"
     );

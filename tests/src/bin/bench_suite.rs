@@ -108,6 +108,12 @@ fn fgds_bench(
     for mode in modes {
         args.extend(["--mode", mode]);
     }
+    // QEMU's own CPU per turn, through the control channel, where the rig has one.
+    let port = fgds_tests::ctl::port_path().ok();
+    let port = port.as_ref().and_then(|p| p.to_str());
+    if let Some(port) = port {
+        args.extend(["--host-cpu-port", port]);
+    }
     let out = Command::new("/bin/fgds")
         .args(&args)
         .output()

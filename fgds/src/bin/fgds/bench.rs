@@ -21,7 +21,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -88,6 +88,11 @@ pub struct Options {
     /// Print JSON (an array, one object per mode).
     #[arg(long)]
     json: bool,
+    /// Under emulation: a port (the rig's control channel, a virtio-serial device) that tells
+    /// the emulator's CPU time, asked before and after each turn, so that the JSON has the
+    /// host's CPU per GiB of each turn too (`turn_host_cpu_s_per_gib`, `turn_host_io_s_per_gib`).
+    #[arg(long)]
+    host_cpu_port: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -112,6 +117,10 @@ struct Sample {
     turn_p50_us: Vec<f64>,
     /// The machine's CPU seconds per GiB moved in each turn.
     turn_cpu_s_per_gib: Vec<f64>,
+    /// With --host-cpu-port: the emulator's CPU seconds per GiB in each turn, all its threads
+    /// and those that are not vCPUs (device emulation, the drive's I/O, DMA).
+    turn_host_cpu_s_per_gib: Vec<f64>,
+    turn_host_io_s_per_gib: Vec<f64>,
 }
 
 impl Sample {
@@ -269,6 +278,12 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             .iter()
             .flat_map(|s| s.turn_cpu_s_per_gib.iter().copied())
             .collect::<Vec<_>>();
+        let turn_host = |f: fn(&Sample) -> &Vec<f64>| {
+            samples
+                .iter()
+                .flat_map(|s| f(s).iter().copied())
+                .collect::<Vec<_>>()
+        };
         let rep_cpu_s_per_gib = samples.iter().map(cpu_per_gib).collect::<Vec<_>>();
         let mut cpus = rep_cpu_s_per_gib.clone();
         cpus.sort_by(f64::total_cmp);
@@ -299,6 +314,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "rep_cpu_s_per_gib": rep_cpu_s_per_gib,
             "turn_cpu_s_per_gib": turn_cpu_s_per_gib,
             "cpu_clock": clock.name(),
+            "turn_host_cpu_s_per_gib": turn_host(|s| &s.turn_host_cpu_s_per_gib),
+            "turn_host_io_s_per_gib": turn_host(|s| &s.turn_host_io_s_per_gib),
             "ratio_to_ram": ram_turns.as_deref().and_then(|r| paired_ratio(&turn_mib_s, r)),
             "fixed_buffers": fixed.is_ok(),
             "fixed_buffer_kind": fixed.as_ref().ok().map(|kind| match kind {
@@ -743,6 +760,34 @@ fn busy_secs(source: CpuSource, from: &CpuClock, to: &CpuClock) -> f64 {
     }
 }
 
+/// The emulator's CPU time so far, in nanoseconds, all its threads and its vCPU threads, from
+/// the port of --host-cpu-port: one request line `qemu_cpu`, one reply line `ok <all> <vcpus>`
+/// (the rig's control channel, qemu/src/control.rs; the port is opened per request, as the rig's
+/// other clients do).
+fn host_cpu(port: &Path) -> anyhow::Result<(u64, u64)> {
+    use std::io::{BufRead, Write};
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(port)
+        .with_context(|| format!("cannot open --host-cpu-port {}", port.display()))?;
+    file.write_all(b"qemu_cpu\n")?;
+    let mut reply = String::new();
+    std::io::BufReader::new(file).read_line(&mut reply)?;
+    let figures = reply
+        .trim()
+        .strip_prefix("ok ")
+        .and_then(|r| r.split_once(' '))
+        .and_then(|(a, v)| Some((a.parse::<u64>().ok()?, v.parse::<u64>().ok()?)));
+    figures.with_context(|| {
+        format!(
+            "--host-cpu-port {}: `qemu_cpu` got {:?}, want `ok <ns> <ns>`",
+            port.display(),
+            reply.trim()
+        )
+    })
+}
+
 /// How a mode's rings hold its memory as their fixed buffer.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Fixed {
@@ -829,6 +874,7 @@ fn run_turn(
     let per_thread = opts.total / (opts.threads * turns) as u64;
     let fixed = run.fixed.as_ref().ok().copied();
     let target = &run.target;
+    let host_from = opts.host_cpu_port.as_deref().map(host_cpu).transpose()?;
     let from = cpu_clock(clock)?;
     let started = Instant::now();
     let deadline = opts
@@ -870,6 +916,13 @@ fn run_turn(
     sample.turn_mib_s.push(mib / secs);
     let gib = (latencies.len() * opts.block_size).max(1) as f64 / (1u64 << 30) as f64;
     sample.turn_cpu_s_per_gib.push(busy / gib);
+    if let (Some(port), Some((all, vcpus))) = (opts.host_cpu_port.as_deref(), host_from) {
+        let (all_to, vcpus_to) = host_cpu(port)?;
+        let all = all_to.saturating_sub(all) as f64 * 1e-9;
+        let io = all - vcpus_to.saturating_sub(vcpus) as f64 * 1e-9;
+        sample.turn_host_cpu_s_per_gib.push(all / gib);
+        sample.turn_host_io_s_per_gib.push(io / gib);
+    }
     latencies.sort();
     sample.turn_p50_us.push(
         latencies
