@@ -618,6 +618,10 @@ static long fgds_ioctl(struct file *filp, unsigned int cmd, unsigned long arg)
 		return fgds_ioctl_reg(f, (void __user *)arg);
 	case FGDS_IOCTL_UNREG_BUFFER:
 		return fgds_ioctl_unreg(f, (void __user *)arg);
+	case FGDS_IOCTL_READ:
+		return fgds_ioctl_io(f, (void __user *)arg, false);
+	case FGDS_IOCTL_WRITE:
+		return fgds_ioctl_io(f, (void __user *)arg, true);
 	default:
 		return -ENOTTY;
 	}
@@ -985,9 +989,7 @@ const struct file_operations fgds_fops = {
 	.unlocked_ioctl = fgds_ioctl,
 	.compat_ioctl = compat_ptr_ioctl,
 	.mmap = fgds_mmap,
-#ifdef FGDS_HAVE_IO_BUFFER_REGISTER_KBUF
 	.uring_cmd = fgds_uring_cmd,
-#endif
 #ifdef FGDS_FOLIO_PMD
 	.get_unmapped_area = fgds_get_unmapped_area,
 #endif

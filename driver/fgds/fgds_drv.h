@@ -24,6 +24,7 @@
 
 #include "fgds_config.h"
 
+struct fgds_io;
 struct io_uring_cmd;
 
 /* Smallest prefetchable BAR that makes a PCI device a GPU for fgds. */
@@ -263,14 +264,15 @@ struct fgds_fence {
  *	fence
  * @cleanup: gives the dma-buf back once the pages are quiet (may sleep on
  *	the reservation lock, so it never runs in @quiesce)
- * @users: kernels with revocable io_uring kernel buffers (uring.c): every
- *	request using one of its io_uring slots holds a live reference;
- *	killed by a revocation that finds @in_ring
- * @in_ring: a slot was (or is being) made of it (written under @lock held
- *	for reading, with @revoked false)
+ * @users: every call of FGDS_IOCTL_READ/WRITE and FGDS_URING_CMD_READ/WRITE
+ *	(rw.c), and every request using one of its io_uring slots (uring.c),
+ *	holds a live reference while it can reach the pages; killed by a
+ *	revocation that finds @in_use
+ * @in_use: @users was used (written under @lock held for reading, with
+ *	@revoked false); until then a revocation leaves it alone
  * @users_dead: @users was killed (under @lock)
- * @users_done: @users reached zero after it was killed: no request can reach
- *	the pages through a slot any more (set by its release, last)
+ * @users_done: @users reached zero after it was killed: no call or request
+ *	can reach the pages any more (set by its release, last)
  */
 struct fgds_buf {
 	struct kref ref;
@@ -308,12 +310,10 @@ struct fgds_buf {
 	pgoff_t quiet_upto;
 	bool quiet;
 	struct work_struct cleanup;
-#ifdef FGDS_HAVE_IO_BUFFER_REGISTER_KBUF
 	struct percpu_ref users;
-	bool in_ring;
+	bool in_use;
 	bool users_dead;
 	bool users_done;
-#endif
 };
 
 static inline pgoff_t fgds_buf_vm_pgoff(const struct fgds_buf *buf)
@@ -359,27 +359,18 @@ void fgds_gpu_teardown(struct fgds_gpu *gpu);
 void fgds_quiesce_fn(struct work_struct *work);
 void fgds_cleanup_fn(struct work_struct *work);
 
-/* uring.c, on kernels with revocable io_uring kernel buffers */
-#ifdef FGDS_HAVE_IO_BUFFER_REGISTER_KBUF
+/* rw.c */
 int fgds_buf_users_init(struct fgds_buf *buf);
 void fgds_buf_users_exit(struct fgds_buf *buf);
+int fgds_buf_users_get(struct fgds_buf *buf);
+void fgds_buf_users_put(struct fgds_buf *buf);
 void fgds_buf_users_kill(struct fgds_buf *buf);
 bool fgds_buf_users_quiet(struct fgds_buf *buf);
+ssize_t fgds_io(struct fgds_file *f, const struct fgds_io *arg, bool write);
+long fgds_ioctl_io(struct fgds_file *f, void __user *uarg, bool write);
+
+/* uring.c */
 int fgds_uring_cmd(struct io_uring_cmd *cmd, unsigned int issue_flags);
-#else
-static inline int fgds_buf_users_init(struct fgds_buf *buf)
-{
-	return 0;
-}
-
-static inline void fgds_buf_users_exit(struct fgds_buf *buf) {}
-static inline void fgds_buf_users_kill(struct fgds_buf *buf) {}
-
-static inline bool fgds_buf_users_quiet(struct fgds_buf *buf)
-{
-	return true;
-}
-#endif
 
 /* buf.c */
 struct fgds_buf *fgds_file_buf_get(struct fgds_file *f, unsigned long id);

@@ -417,7 +417,7 @@ static void fgds_report_holder(struct fgds_buf *buf)
 
 	if (!fgds_buf_users_quiet(buf)) {
 		dev_warn(&gpu->dev,
-			 "revoked buffer of %s (%llu bytes) still used by io_uring requests after %u ms (FGDS_URING_CMD_REGISTER); the exporter gets the memory back only when they are freed\n",
+			 "revoked buffer of %s (%llu bytes) still in use by fgds's reads and writes or io_uring slots after %u ms; the exporter gets the memory back only when they end\n",
 			 buf->owner, buf->size,
 			 jiffies_to_msecs(jiffies - buf->pending_since));
 		return;

@@ -1,16 +1,19 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
- * fgds: registrations as io_uring fixed buffers that a revocation ends.
+ * fgds: the node's io_uring commands.
  *
- * Reads into a mapped registration pin its pages per request (GUP, then an
- * unpin at completion): the cost that RAM read into an io_uring fixed buffer
- * pays once, at IORING_REGISTER_BUFFERS. fgds may not pin GPU memory that
- * way: such a pin outlives a revocation. Where the kernel lets the owner of
- * an io_uring kernel buffer end the access itself (io_buffer_register_kbuf(),
- * vm-images/kernel-patches/io-uring-revocable-kbuf; not upstream),
- * FGDS_URING_CMD_REGISTER puts a whole registration into a slot of the
- * issuing ring's fixed-buffer table instead: requests name the slot and take
- * its pages as they are, with no GUP, pin or unpin.
+ * FGDS_URING_CMD_READ/WRITE are FGDS_IOCTL_READ/WRITE as io_uring commands
+ * (rw.c does the I/O), on every kernel. The I/O is synchronous, so a command
+ * asked not to block is handed back with -EAGAIN and io_uring issues it
+ * again from one of its workers, where it may: a ring keeps as many in flight
+ * as it has workers for.
+ *
+ * Where the kernel lets the owner of an io_uring kernel buffer end the access
+ * itself (io_buffer_register_kbuf(), vm-images/kernel-patches/
+ * io-uring-revocable-kbuf; not upstream), FGDS_URING_CMD_REGISTER also puts a
+ * whole registration into a slot of the issuing ring's fixed-buffer table:
+ * requests name the slot and take its pages as they are, with no GUP, pin or
+ * unpin, and complete asynchronously like any read into RAM.
  *
  * No pin: the slot holds a reference on the registration, not on its pages,
  * and every request that uses the slot holds a live reference of the
@@ -32,12 +35,8 @@
 
 #include "fgds_compat.h"
 
-#ifdef FGDS_HAVE_IO_BUFFER_REGISTER_KBUF
-
 #include <linux/bvec.h>
-#include <linux/io_uring/cmd.h>
 #include <linux/module.h>
-#include <linux/percpu-refcount.h>
 #include <linux/slab.h>
 #include <linux/uio.h>
 #include <linux/workqueue.h>
@@ -45,6 +44,8 @@
 #include <uapi/linux/fgds.h>
 
 #include "fgds_drv.h"
+
+#ifdef FGDS_HAVE_IO_BUFFER_REGISTER_KBUF
 
 /**
  * struct fgds_slot - an io_uring slot made of a registration
@@ -56,68 +57,6 @@ struct fgds_slot {
 	struct fgds_buf *buf;
 	struct work_struct put;
 };
-
-static void fgds_users_release(struct percpu_ref *ref)
-{
-	struct fgds_buf *buf = container_of(ref, struct fgds_buf, users);
-
-	/* Last: from here on the registration may be cleaned up and freed. */
-	smp_store_release(&buf->users_done, true);
-}
-
-/**
- * fgds_buf_users_init() - set up a new registration's @users
- * @buf: the registration
- *
- * Return: 0 or -ENOMEM.
- */
-int fgds_buf_users_init(struct fgds_buf *buf)
-{
-	return percpu_ref_init(&buf->users, fgds_users_release, 0, GFP_KERNEL);
-}
-
-/**
- * fgds_buf_users_exit() - free a registration's @users
- * @buf: the registration, quiet (fgds_buf_users_quiet())
- */
-void fgds_buf_users_exit(struct fgds_buf *buf)
-{
-	percpu_ref_exit(&buf->users);
-}
-
-/**
- * fgds_buf_users_kill() - no new request may use a registration's slots
- * @buf: the registration, @lock held for writing, being revoked
- */
-void fgds_buf_users_kill(struct fgds_buf *buf)
-{
-	lockdep_assert_held_write(&buf->lock);
-	if (!buf->in_ring || buf->users_dead)
-		return;
-	WRITE_ONCE(buf->users_dead, true);
-	percpu_ref_kill(&buf->users);
-}
-
-/**
- * fgds_buf_users_quiet() - can a request reach a registration's pages
- *	through an io_uring slot?
- * @buf: the registration
- *
- * Asked only of a registration that is revoked or released. Revoked: @users
- * was killed if a slot was ever made of it, and is quiet once it reached zero.
- * Released and never revoked: every slot holds a reference on it, and
- * io_uring lets go of a slot only after the last request that used it, so
- * none is left.
- *
- * Return: true if none can.
- */
-bool fgds_buf_users_quiet(struct fgds_buf *buf)
-{
-	if (!READ_ONCE(buf->users_dead))
-		return true;
-	/* Pairs with the release in fgds_users_release(). */
-	return smp_load_acquire(&buf->users_done);
-}
 
 static void fgds_slot_put_fn(struct work_struct *work)
 {
@@ -207,7 +146,7 @@ static int fgds_uring_register(struct io_uring_cmd *cmd, u64 idx, u32 index,
 	}
 	bv = fgds_buf_bvecs(buf, &nr);
 	if (bv)
-		WRITE_ONCE(buf->in_ring, true);
+		WRITE_ONCE(buf->in_use, true);
 	up_read(&buf->lock);
 	if (!bv) {
 		ret = -ENOMEM;
@@ -242,32 +181,66 @@ put_buf:
 	return ret;
 }
 
-/**
- * fgds_uring_cmd() - the node's io_uring commands (FGDS_URING_CMD_*)
- * @cmd: the command
- * @issue_flags: its issue flags
- *
- * Return: 0 or a negative errno, the CQE's result (never queued).
- */
-int fgds_uring_cmd(struct io_uring_cmd *cmd, unsigned int issue_flags)
+static int fgds_uring_slot(struct io_uring_cmd *cmd, unsigned int issue_flags)
 {
-	const struct fgds_uring_buffer *arg =
-		io_uring_sqe_cmd(cmd->sqe, struct fgds_uring_buffer);
+	const struct fgds_uring_buffer *arg = fgds_uring_cmd_bytes(cmd);
 	u64 idx = READ_ONCE(arg->idx);
 	u32 index = READ_ONCE(arg->index);
 
 	if (READ_ONCE(arg->flags))
 		return -EINVAL;
-	switch (cmd->cmd_op) {
-	case FGDS_URING_CMD_REGISTER:
+	if (cmd->cmd_op == FGDS_URING_CMD_REGISTER)
 		return fgds_uring_register(cmd, idx, index, issue_flags);
+	if (idx)
+		return -EINVAL;
+	return io_buffer_unregister_bvec(cmd, index, issue_flags);
+}
+#else
+/* No slots without the kernel change: the caller maps the token instead. */
+static int fgds_uring_slot(struct io_uring_cmd *cmd, unsigned int issue_flags)
+{
+	return -EOPNOTSUPP;
+}
+#endif /* FGDS_HAVE_IO_BUFFER_REGISTER_KBUF */
+
+static int fgds_uring_io(struct io_uring_cmd *cmd, unsigned int issue_flags)
+{
+	struct fgds_file *f = cmd->file->private_data;
+	struct fgds_io arg;
+
+	if (!(issue_flags & IO_URING_F_SQE128)) {
+		dev_info_ratelimited(&f->gpu->dev,
+				     "%s: FGDS_URING_CMD_READ/WRITE need 128-byte submission entries: set the ring up with IORING_SETUP_SQE128\n",
+				     current->comm);
+		return -EINVAL;
+	}
+	/* Synchronous: io_uring issues it again from a worker. */
+	if (issue_flags & IO_URING_F_NONBLOCK)
+		return -EAGAIN;
+	/* By now io_uring has copied the SQE: it cannot change under us. */
+	memcpy(&arg, fgds_uring_cmd_bytes(cmd), sizeof(arg));
+	return fgds_io(f, &arg, cmd->cmd_op == FGDS_URING_CMD_WRITE);
+}
+
+/**
+ * fgds_uring_cmd() - the node's io_uring commands (FGDS_URING_CMD_*)
+ * @cmd: the command
+ * @issue_flags: its issue flags
+ *
+ * Return: the CQE's result: bytes moved (READ, WRITE), 0 (REGISTER,
+ * UNREGISTER), or a negative errno; -EAGAIN to be issued again from an
+ * io_uring worker. Never queued.
+ */
+int fgds_uring_cmd(struct io_uring_cmd *cmd, unsigned int issue_flags)
+{
+	switch (cmd->cmd_op) {
+	case FGDS_URING_CMD_READ:
+	case FGDS_URING_CMD_WRITE:
+		return fgds_uring_io(cmd, issue_flags);
+	case FGDS_URING_CMD_REGISTER:
 	case FGDS_URING_CMD_UNREGISTER:
-		if (idx)
-			return -EINVAL;
-		return io_buffer_unregister_bvec(cmd, index, issue_flags);
+		return fgds_uring_slot(cmd, issue_flags);
 	default:
 		return -ENOTTY;
 	}
 }
-
-#endif /* FGDS_HAVE_IO_BUFFER_REGISTER_KBUF */

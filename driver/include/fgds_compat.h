@@ -278,4 +278,59 @@ static inline void fgds_folio_set_index(struct folio *folio, pgoff_t index)
 
 /* --- end of importer side --- */
 
+/* --- file I/O and io_uring commands (fgds) --- */
+
+#include <linux/uio.h>
+
+/*
+ * The bytes of an io_uring command: the SQE's command area. 6.6 passes the
+ * whole SQE to the driver (->sqe, in linux/io_uring/cmd.h from 6.7); 6.1 only
+ * the command area (->cmd, linux/io_uring.h).
+ */
+#ifdef FGDS_HAVE_IO_URING_CMD_H
+#include <linux/io_uring/cmd.h>
+
+static inline const void *fgds_uring_cmd_bytes(const struct io_uring_cmd *cmd)
+{
+	return cmd->sqe->cmd;
+}
+#else
+#include <linux/io_uring.h>
+
+static inline const void *fgds_uring_cmd_bytes(const struct io_uring_cmd *cmd)
+{
+	return cmd->cmd;
+}
+#endif
+
+/*
+ * A synchronous write through a file's ->write_iter(). vfs_iocb_iter_write()
+ * takes the file system's freeze protection itself from 6.8 ("fs: move
+ * kiocb_start_write() into vfs_iocb_iter_write()"); before, its callers took
+ * it. A behaviour change no probe sees: compared by version, between the
+ * supported 6.1 and 6.12.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 8, 0)
+static inline ssize_t fgds_iocb_iter_write(struct file *file,
+					   struct kiocb *iocb,
+					   struct iov_iter *iter)
+{
+	return vfs_iocb_iter_write(file, iocb, iter);
+}
+#else
+static inline ssize_t fgds_iocb_iter_write(struct file *file,
+					   struct kiocb *iocb,
+					   struct iov_iter *iter)
+{
+	ssize_t ret;
+
+	file_start_write(file);
+	ret = vfs_iocb_iter_write(file, iocb, iter);
+	file_end_write(file);
+	return ret;
+}
+#endif
+
+/* --- end of file I/O --- */
+
 #endif /* _FGDS_COMPAT_H */

@@ -80,6 +80,7 @@ const PROBES: &[(&str, Has)] = &[
     ("VM_FLAGS_SET", Has::Since(6, 3)),
     ("CLASS_CREATE_NAME", Has::Since(6, 4)),
     ("GET_FILE_ACTIVE", Has::Since(6, 7)),
+    ("IO_URING_CMD_H", Has::Since(6, 7)),
     ("FOLIO_ADD_FILE_RMAP_PTES", Has::Since(6, 9)),
     ("FOLIO_LARGE_MAPCOUNT", Has::Since(6, 9)),
     ("PCIM_REQUEST_REGION", Has::Since(6, 12)),

@@ -29,7 +29,9 @@
  *
  * GPU memory can never be pinned long-term through fgds (io_uring fixed
  * buffers, IORING_REGISTER_BUFFERS, fail): such a pin would outlive a
- * revocation. Where the kernel can revoke an io_uring kernel buffer
+ * revocation. FGDS_IOCTL_READ/WRITE and FGDS_URING_CMD_READ/WRITE move data
+ * between a file and a registration with no mapping and no pin at all, on
+ * every kernel. Where the kernel can revoke an io_uring kernel buffer
  * (io_buffer_register_kbuf(), not upstream), FGDS_URING_CMD_REGISTER puts a
  * registration into a ring's fixed-buffer table without pinning it: a
  * revocation makes later requests on that slot fail with EFAULT, and its fence
@@ -161,6 +163,62 @@ struct fgds_uring_buffer {
 
 #define FGDS_URING_CMD_REGISTER		_IOW(FGDS_IOCTL_MAGIC, 0x10, struct fgds_uring_buffer)
 #define FGDS_URING_CMD_UNREGISTER	_IOW(FGDS_IOCTL_MAGIC, 0x11, struct fgds_uring_buffer)
+
+/**
+ * struct fgds_io - the argument of FGDS_IOCTL_READ and FGDS_IOCTL_WRITE, and
+ *	the command of FGDS_URING_CMD_READ and FGDS_URING_CMD_WRITE
+ * @idx: in: a token of the open file the call is made on
+ * @offset: in: byte offset into the registration
+ * @len: in: bytes to move, 1 to 0x7ffff000 (the kernel's MAX_RW_COUNT on
+ *	4 KiB pages), within the registration
+ * @file_offset: in: byte offset in the file
+ * @fd: in: the file, opened with O_DIRECT: readable for READ (file to
+ *	registration), writable for WRITE (registration to file)
+ * @flags: in: reserved, must be 0
+ *
+ * fgds moves the data itself, as pread()/pwrite() of @fd would with the
+ * registration's memory as the buffer, but with neither a mapping nor a pin:
+ * it hands the file an iterator over the registration's pages. A revocation
+ * waits for every such call in flight (its fence signals after the last one
+ * returned); calls made after it fail with ENODEV. A registration of a
+ * dma-buf opened read-only can only be written from.
+ *
+ * FGDS_IOCTL_READ and FGDS_IOCTL_WRITE return the bytes moved, fewer than
+ * @len only at the end of the file (as pread() and pwrite()).
+ * FGDS_URING_CMD_READ and FGDS_URING_CMD_WRITE are io_uring commands
+ * (IORING_OP_URING_CMD on a ring set up with IORING_SETUP_SQE128, sqe->fd a
+ * node's open file, sqe->cmd_op, this structure in sqe->cmd); the CQE's res
+ * is the same count or a negative errno. Each runs in an io_uring worker, so
+ * that a ring keeps many in flight.
+ *
+ * Errors (errno, or the CQE's res):
+ *
+ * - EINVAL: @flags is not 0; @idx is not PAGE_SIZE aligned; @len is 0 or
+ *   too large; the range is past the registration's end; @fd was not opened
+ *   with O_DIRECT, or the file cannot do this I/O (no read or write method,
+ *   offsets or length not aligned as its O_DIRECT requires); the ring's
+ *   entries are 64 bytes (io_uring commands).
+ * - ENOENT: no registration with token @idx on this open file.
+ * - EBADF: @fd is not an open file, or not open for reading (READ) or
+ *   writing (WRITE).
+ * - EACCES: READ into a registration of a dma-buf opened read-only.
+ * - ENODEV: the registration was revoked.
+ * - ENOMEM: out of memory.
+ * - anything the file's own read or write returns (EIO, ENOSPC, ...).
+ */
+struct fgds_io {
+	__u64 idx;
+	__u64 offset;
+	__u64 len;
+	__u64 file_offset;
+	__s32 fd;
+	__u32 flags;
+};
+
+#define FGDS_IOCTL_READ		_IOW(FGDS_IOCTL_MAGIC, 0x03, struct fgds_io)
+#define FGDS_IOCTL_WRITE	_IOW(FGDS_IOCTL_MAGIC, 0x04, struct fgds_io)
+#define FGDS_URING_CMD_READ	_IOW(FGDS_IOCTL_MAGIC, 0x12, struct fgds_io)
+#define FGDS_URING_CMD_WRITE	_IOW(FGDS_IOCTL_MAGIC, 0x13, struct fgds_io)
 
 /*
  * mmap(2) of a token: offset = idx, length = the registered size exactly,

@@ -1,0 +1,275 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * fgds: file I/O between a file and a registration, done by fgds.
+ *
+ * O_DIRECT I/O into a mapped registration pins its pages per request: GUP
+ * walks the mapping one PTE at a time (P2PDMA pages are order 0), and the
+ * pages are unpinned at completion. FGDS_IOCTL_READ/WRITE and
+ * FGDS_URING_CMD_READ/WRITE name the registration and the file instead, and
+ * fgds hands the file's ->read_iter()/->write_iter() a bvec iterator over the
+ * registration's pages, one segment per run that is contiguous in the BAR,
+ * as the loop driver does with its backing file: nothing is pinned, no page
+ * reference is taken, and no mapping is needed.
+ *
+ * What keeps that safe is the registration's @users: each call takes a live
+ * reference before it looks at the pages and drops it once the file's method
+ * returned (the kiocb is synchronous: every bio it issued has ended). A
+ * revocation kills @users under buf->lock as it sets @revoked, and the pages
+ * count as quiet only once @users reached zero (@users_done), so the
+ * revocation fence signals after the last call in flight returned, however
+ * long that takes, and the dma-buf is given back only then. io_uring slots
+ * (uring.c) take the same references.
+ *
+ * @users is only switched on (@in_use) the first time a call or a slot uses
+ * the registration, so that revoking one never used that way needs no RCU
+ * grace period before its pages count as quiet.
+ */
+
+#include <linux/bvec.h>
+#include <linux/file.h>
+#include <linux/fs.h>
+#include <linux/percpu-refcount.h>
+#include <linux/slab.h>
+#include <linux/uaccess.h>
+#include <linux/uio.h>
+
+#include <uapi/linux/fgds.h>
+
+#include "fgds_compat.h"
+#include "fgds_drv.h"
+
+/* Segments on the stack; a registration is usually one run of the BAR. */
+#define FGDS_IO_FAST_SEGS	8
+
+static void fgds_users_release(struct percpu_ref *ref)
+{
+	struct fgds_buf *buf = container_of(ref, struct fgds_buf, users);
+
+	/* Last: from here on the registration may be cleaned up and freed. */
+	smp_store_release(&buf->users_done, true);
+}
+
+/**
+ * fgds_buf_users_init() - set up a new registration's @users
+ * @buf: the registration
+ *
+ * Return: 0 or -ENOMEM.
+ */
+int fgds_buf_users_init(struct fgds_buf *buf)
+{
+	return percpu_ref_init(&buf->users, fgds_users_release, 0, GFP_KERNEL);
+}
+
+/**
+ * fgds_buf_users_exit() - free a registration's @users
+ * @buf: the registration, quiet (fgds_buf_users_quiet())
+ */
+void fgds_buf_users_exit(struct fgds_buf *buf)
+{
+	percpu_ref_exit(&buf->users);
+}
+
+/**
+ * fgds_buf_users_get() - take a live reference of a registration's @users
+ * @buf: the registration (reference held)
+ *
+ * Return: 0, or -ENODEV if @buf is revoked.
+ */
+int fgds_buf_users_get(struct fgds_buf *buf)
+{
+	/* Once @in_use, @users dies exactly when @buf is revoked. */
+	if (READ_ONCE(buf->in_use) && percpu_ref_tryget_live(&buf->users))
+		return 0;
+	down_read(&buf->lock);
+	if (buf->revoked) {
+		up_read(&buf->lock);
+		return -ENODEV;
+	}
+	WRITE_ONCE(buf->in_use, true);
+	/* Not killed: that happens under @lock held for writing. */
+	percpu_ref_get(&buf->users);
+	up_read(&buf->lock);
+	return 0;
+}
+
+/**
+ * fgds_buf_users_put() - drop a reference taken by fgds_buf_users_get()
+ * @buf: the registration
+ */
+void fgds_buf_users_put(struct fgds_buf *buf)
+{
+	percpu_ref_put(&buf->users);
+}
+
+/**
+ * fgds_buf_users_kill() - no new call or request may reach a registration
+ * @buf: the registration, @lock held for writing, being revoked
+ */
+void fgds_buf_users_kill(struct fgds_buf *buf)
+{
+	lockdep_assert_held_write(&buf->lock);
+	if (!buf->in_use || buf->users_dead)
+		return;
+	WRITE_ONCE(buf->users_dead, true);
+	percpu_ref_kill(&buf->users);
+}
+
+/**
+ * fgds_buf_users_quiet() - can a call or an io_uring request still reach a
+ *	registration's pages through @users?
+ * @buf: the registration
+ *
+ * Asked only of a registration that is revoked or released. Revoked: @users
+ * was killed if it was ever used, and is quiet once it reached zero. Released
+ * and never revoked: calls and slots hold a reference on the registration,
+ * and io_uring lets go of a slot only after the last request that used it,
+ * so none is left.
+ *
+ * Return: true if none can.
+ */
+bool fgds_buf_users_quiet(struct fgds_buf *buf)
+{
+	if (!READ_ONCE(buf->users_dead))
+		return true;
+	/* Pairs with the release in fgds_users_release(). */
+	return smp_load_acquire(&buf->users_done);
+}
+
+/*
+ * Bytes [@off, @off + @len) of the registration as bvec segments, one per run
+ * contiguous in the BAR, into @bv (@max entries) or, if more are needed, a
+ * new array. @users held: the provider and its pages exist.
+ */
+static struct bio_vec *fgds_buf_range_bvecs(struct fgds_buf *buf, u64 off,
+					    u64 len, struct bio_vec *bv,
+					    unsigned int max, unsigned int *nr)
+{
+	const struct fgds_extent *e, *end = buf->ext + buf->nr_ext;
+	pgoff_t first = off >> PAGE_SHIFT, last = (off + len - 1) >> PAGE_SHIFT;
+	unsigned int n = 0, i = 0;
+
+	for (e = buf->ext; e < end; e++)
+		if (e->pgoff <= last && e->pgoff + e->npages > first)
+			n++;
+	if (n > max) {
+		bv = kvmalloc_array(n, sizeof(*bv), GFP_KERNEL);
+		if (!bv)
+			return NULL;
+	}
+	for (e = buf->ext; e < end && len; e++) {
+		u64 start = (u64)e->pgoff << PAGE_SHIFT;
+		u64 ext_end = start + ((u64)e->npages << PAGE_SHIFT);
+		u64 at, seg;
+
+		if (off >= ext_end)
+			continue;
+		at = off - start;
+		seg = min(len, ext_end - off);
+		/* @len is at most MAX_RW_COUNT: a segment fits bv_len. */
+		bvec_set_page(&bv[i++],
+			      fgds_gpu_page(buf->gpu,
+					    e->bar_pg + (at >> PAGE_SHIFT)),
+			      seg, offset_in_page(at));
+		off += seg;
+		len -= seg;
+	}
+	*nr = i;
+	return bv;
+}
+
+/* The synchronous I/O itself, on @file at @pos; @users held. */
+static ssize_t fgds_buf_file_io(struct fgds_buf *buf, struct file *file,
+				loff_t pos, u64 off, u64 len, bool write)
+{
+	struct bio_vec fast[FGDS_IO_FAST_SEGS], *bv;
+	struct iov_iter iter;
+	struct kiocb kiocb;
+	unsigned int nr;
+	ssize_t ret;
+
+	bv = fgds_buf_range_bvecs(buf, off, len, fast, ARRAY_SIZE(fast), &nr);
+	if (!bv)
+		return -ENOMEM;
+	iov_iter_bvec(&iter, write ? ITER_SOURCE : ITER_DEST, bv, nr, len);
+	init_sync_kiocb(&kiocb, file);
+	kiocb.ki_pos = pos;
+	if (write)
+		ret = fgds_iocb_iter_write(file, &kiocb, &iter);
+	else
+		ret = vfs_iocb_iter_read(file, &kiocb, &iter);
+	if (WARN_ON_ONCE(ret == -EIOCBQUEUED))
+		ret = -EIO;
+	if (bv != fast)
+		kvfree(bv);
+	return ret;
+}
+
+/**
+ * fgds_io() - move data between a file and a registration
+ * @f: the node's open file the call was made on
+ * @arg: the call's struct fgds_io, copied from user space
+ * @write: from the registration to the file (else from the file into it)
+ *
+ * Sleeps until the I/O has ended. Used by FGDS_IOCTL_READ/WRITE and
+ * FGDS_URING_CMD_READ/WRITE.
+ *
+ * Return: bytes moved, or a negative errno (see struct fgds_io).
+ */
+ssize_t fgds_io(struct fgds_file *f, const struct fgds_io *arg, bool write)
+{
+	struct fgds_buf *buf;
+	struct file *file;
+	ssize_t ret;
+
+	if (arg->flags || (arg->idx & ~PAGE_MASK) || !arg->len ||
+	    arg->len > MAX_RW_COUNT || arg->file_offset > LLONG_MAX)
+		return -EINVAL;
+	buf = fgds_file_buf_get(f, arg->idx >> PAGE_SHIFT);
+	if (!buf)
+		return -ENOENT;
+	ret = -EINVAL;
+	if (arg->offset > buf->size || arg->len > buf->size - arg->offset)
+		goto put_buf;
+	ret = -EACCES;
+	if (!write && buf->readonly)
+		goto put_buf;
+	ret = -EBADF;
+	file = fget(arg->fd);
+	if (!file)
+		goto put_buf;
+	if (!(file->f_flags & O_DIRECT)) {
+		dev_info_ratelimited(&buf->gpu->dev,
+				     "%s: fd %d is not open with O_DIRECT: fgds moves GPU memory by DMA only; open the file with O_DIRECT\n",
+				     current->comm, arg->fd);
+		ret = -EINVAL;
+		goto put_file;
+	}
+	ret = fgds_buf_users_get(buf);
+	if (ret)
+		goto put_file;
+	ret = fgds_buf_file_io(buf, file, arg->file_offset, arg->offset,
+			       arg->len, write);
+	fgds_buf_users_put(buf);
+put_file:
+	fput(file);
+put_buf:
+	fgds_buf_put(buf);
+	return ret;
+}
+
+/**
+ * fgds_ioctl_io() - FGDS_IOCTL_READ and FGDS_IOCTL_WRITE
+ * @f: the node's open file
+ * @uarg: the user's struct fgds_io
+ * @write: FGDS_IOCTL_WRITE
+ *
+ * Return: bytes moved, or a negative errno.
+ */
+long fgds_ioctl_io(struct fgds_file *f, void __user *uarg, bool write)
+{
+	struct fgds_io arg;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	return fgds_io(f, &arg, write);
+}
