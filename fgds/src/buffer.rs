@@ -9,6 +9,9 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
+use io_uring::IoUring;
+use io_uring::squeue::EntryMarker;
+
 use crate::error::{Error, Result};
 use crate::uapi;
 
@@ -130,6 +133,101 @@ impl Buffer {
         })
     }
 
+    /// Reads `range.len()` bytes of `file` at `file_offset` into `range` of the buffer, moved by
+    /// fgds itself (`FGDS_IOCTL_READ`): no mapping is used and nothing is pinned, on every
+    /// kernel. The same rules as [`Buffer::read_at`] apply; a revocation waits for the call
+    /// to return, and later calls fail with ENODEV.
+    pub fn read_from(&self, file: &File, file_offset: u64, range: Range<usize>) -> Result<usize> {
+        self.fgds_io(false, file, file_offset, range)
+    }
+
+    /// Writes `range` of the buffer to `file` at `file_offset`, moved by fgds itself
+    /// (`FGDS_IOCTL_WRITE`), as [`Buffer::read_from`].
+    pub fn write_to(&self, file: &File, file_offset: u64, range: Range<usize>) -> Result<usize> {
+        self.fgds_io(true, file, file_offset, range)
+    }
+
+    /// The `struct fgds_io` that moves `len` bytes at byte `offset` of the buffer to or from
+    /// `file` at `file_offset`.
+    pub(crate) fn io_arg(
+        &self,
+        file: &File,
+        offset: usize,
+        len: usize,
+        file_offset: u64,
+    ) -> uapi::Io {
+        uapi::Io {
+            idx: self.idx,
+            offset: offset as u64,
+            len: len as u64,
+            file_offset,
+            fd: file.as_raw_fd(),
+            flags: 0,
+        }
+    }
+
+    /// The node the buffer is registered on (where its io_uring commands go).
+    pub(crate) fn node(&self) -> &File {
+        &self.node
+    }
+
+    /// The node's open file descriptor: where `FGDS_URING_CMD_*` commands for this buffer go
+    /// (`sqe->fd`), with [`Buffer::idx`] as their token.
+    pub fn node_fd(&self) -> std::os::fd::RawFd {
+        self.node.as_raw_fd()
+    }
+
+    fn fgds_io(
+        &self,
+        write: bool,
+        file: &File,
+        file_offset: u64,
+        range: Range<usize>,
+    ) -> Result<usize> {
+        check_direct_io(file, file_offset, &range, self.len)?;
+        let op = if write {
+            "FGDS_IOCTL_WRITE"
+        } else {
+            "FGDS_IOCTL_READ"
+        };
+        let len = range.len();
+        let mut done = 0;
+        while done < len {
+            // At most MAX_RW_COUNT per call (on 4 KiB pages), a multiple of any alignment.
+            let n = (len - done).min(0x7fff_f000);
+            let arg = self.io_arg(file, range.start + done, n, file_offset + done as u64);
+            let request = if write {
+                uapi::IOCTL_WRITE
+            } else {
+                uapi::IOCTL_READ
+            };
+            // SAFETY: `Io` is `struct fgds_io`, which the kernel only reads; the call returns
+            // a byte count or -1 with errno.
+            let res = unsafe { libc::ioctl(self.node.as_raw_fd(), request as _, &arg) };
+            if res < 0 {
+                let source = std::io::Error::last_os_error();
+                if source.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(Error::Io {
+                    op,
+                    done: done as u64,
+                    len: len as u64,
+                    source,
+                });
+            }
+            if res == 0 {
+                return Err(Error::ShortTransfer {
+                    op,
+                    done: done as u64,
+                    len: len as u64,
+                });
+            }
+            done += res as usize;
+        }
+        Ok(done)
+    }
+
     fn sync_io(
         &self,
         op: &'static str,
@@ -185,7 +283,7 @@ impl Buffer {
     /// The slot keeps the registration (not its memory) until [`Buffer::unregister_from_ring`],
     /// `unregister_buffers` or the ring's end; a revocation makes requests on it fail with
     /// EFAULT.
-    pub fn register_in_ring(&self, ring: &mut io_uring::IoUring, slot: u16) -> Result<()> {
+    pub fn register_in_ring<S: EntryMarker>(&self, ring: &mut IoUring<S>, slot: u16) -> Result<()> {
         let arg = uapi::UringBuffer {
             idx: self.idx,
             index: slot.into(),
@@ -202,7 +300,11 @@ impl Buffer {
 
     /// Empties slot `slot` of `ring`'s fixed-buffer table (`FGDS_URING_CMD_UNREGISTER`).
     /// Requests still using it keep it until they complete.
-    pub fn unregister_from_ring(&self, ring: &mut io_uring::IoUring, slot: u16) -> Result<()> {
+    pub fn unregister_from_ring<S: EntryMarker>(
+        &self,
+        ring: &mut IoUring<S>,
+        slot: u16,
+    ) -> Result<()> {
         let arg = uapi::UringBuffer {
             idx: 0,
             index: slot.into(),
@@ -219,8 +321,8 @@ impl Buffer {
 }
 
 /// Issues one fgds io_uring command on an otherwise idle ring and waits for its result.
-fn uring_cmd(
-    ring: &mut io_uring::IoUring,
+fn uring_cmd<S: EntryMarker>(
+    ring: &mut IoUring<S>,
     node: &File,
     op: rustix::ioctl::Opcode,
     arg: uapi::UringBuffer,
@@ -234,7 +336,7 @@ fn uring_cmd(
         .cmd(arg.to_cmd())
         .build();
     // SAFETY: the command carries its argument inline; it refers to no memory of ours.
-    unsafe { ring.submission().push(&sqe) }
+    unsafe { ring.submission().push(&S::from(sqe)) }
         .map_err(|_| refused(libc::EBUSY, "the submission queue is full".to_owned()))?;
     if let Err(err) = ring.submit_and_wait(1) {
         return Err(refused(

@@ -39,4 +39,4 @@ pub use error::{Error, Result};
 pub use gpu::{Gpu, GpuInfo, SYSFS_CLASS};
 pub use gpu_file::{Completion, GpuFile, IoPath};
 pub use memory::{GpuMemory, NotDirect, Registry};
-pub use transfer::{Direction, Transfer, TransferConfig};
+pub use transfer::{Direction, Transfer, TransferConfig, TransferPath};

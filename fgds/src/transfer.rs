@@ -1,13 +1,19 @@
 //! Large direct I/O through io_uring: a range is split into sub-requests of `chunk_size`, with
 //! up to `queue_depth` in flight.
 //!
-//! Every request pins the pages it moves for as long as it is in flight, and no longer. GPU
-//! memory is never pinned as an io_uring fixed buffer: such a pin would outlive a revocation,
-//! and the kernel refuses it for fgds mappings (docs/driver.md, "Revocation contract"). Where
-//! the kernel can revoke an io_uring kernel buffer (`FGDS_URING_CMD_REGISTER`, not upstream),
-//! the buffer goes into the ring's one slot instead and its requests pin nothing
-//! (docs/driver.md, "io_uring slots"); elsewhere, and where the buffer cannot go into a slot,
-//! the requests name its mapped address.
+//! GPU memory is never pinned as an io_uring fixed buffer: such a pin would outlive a
+//! revocation, and the kernel refuses it for fgds mappings (docs/driver.md, "Revocation
+//! contract"). Each run takes the first of three paths that the kernel offers:
+//!
+//! 1. the ring's one slot (`FGDS_URING_CMD_REGISTER`, where the kernel can revoke an io_uring
+//!    kernel buffer; not upstream): reads and writes name the slot, pin nothing, and complete
+//!    asynchronously (docs/driver.md, "io_uring slots");
+//! 2. fgds's own commands (`FGDS_URING_CMD_READ`/`WRITE`, every kernel with this fgds): fgds
+//!    hands the file an iterator over the registration's pages, nothing pinned; each runs in
+//!    an io_uring worker;
+//! 3. the mapped address: every request pins the pages it moves while it is in flight.
+//!
+//! The ring has 128-byte entries, which the commands need.
 //!
 //! The slot keeps the last buffer a [`Transfer`] moved until it moves another one or is
 //! dropped, so that runs on the same buffer do not put it in again (the kernel builds the
@@ -20,6 +26,7 @@ use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use io_uring::squeue::Entry128;
 use io_uring::{IoUring, opcode, types};
 
 use crate::buffer::{Buffer, check_direct_io};
@@ -68,14 +75,27 @@ pub enum Direction {
 pub struct Transfer {
     ring: Arc<Mutex<Ring>>,
     config: TransferConfig,
-    last_in_slot: bool,
+    last_path: Option<TransferPath>,
+}
+
+/// How a [`Transfer::run`] moved its data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransferPath {
+    /// Through the ring's fixed-buffer slot (`FGDS_URING_CMD_REGISTER`): nothing pinned.
+    Slot,
+    /// By fgds's commands (`FGDS_URING_CMD_READ`/`WRITE`): nothing pinned.
+    Command,
+    /// Through the mapped address: each request pinned its pages while in flight.
+    Mapped,
 }
 
 /// A [`Transfer`]'s io_uring and what its fixed-buffer slot holds. The buffers put in the slot
 /// keep a weak reference to it, to empty the slot when they are dropped.
 pub(crate) struct Ring {
-    uring: IoUring,
+    uring: IoUring<Entry128>,
     slot: Slot,
+    /// Whether fgds takes `FGDS_URING_CMD_READ`/`WRITE`; `None` until asked.
+    commands: Option<bool>,
 }
 
 /// What the ring's one fixed-buffer slot (`FGDS_URING_CMD_REGISTER`) holds.
@@ -98,8 +118,7 @@ struct Job<'a> {
     range: Range<usize>,
     file: &'a File,
     file_offset: u64,
-    /// The buffer is in the ring's slot: requests name it by offset, not by address.
-    in_slot: bool,
+    path: TransferPath,
 }
 
 /// One sub-request: where it is in the range and how much of it is done.
@@ -116,8 +135,9 @@ impl Transfer {
                 "chunk size and queue depth must be non-zero: {config:?}"
             )));
         }
-        let ring =
-            IoUring::new(config.queue_depth.next_power_of_two()).map_err(|source| Error::Io {
+        let ring = IoUring::<Entry128>::builder()
+            .build(config.queue_depth.next_power_of_two())
+            .map_err(|source| Error::Io {
                 op: "io_uring_setup",
                 done: 0,
                 len: 0,
@@ -127,9 +147,10 @@ impl Transfer {
             ring: Arc::new(Mutex::new(Ring {
                 uring: ring,
                 slot: Slot::Unknown,
+                commands: None,
             })),
             config,
-            last_in_slot: false,
+            last_path: None,
         })
     }
 
@@ -171,15 +192,21 @@ impl Transfer {
         }
         let shared = Arc::clone(&self.ring);
         let mut ring = lock(&shared);
-        let in_slot = fill_slot(&mut ring, &shared, buffer);
-        self.last_in_slot = in_slot;
+        let path = if fill_slot(&mut ring, &shared, buffer) {
+            TransferPath::Slot
+        } else if takes_commands(&mut ring, buffer) {
+            TransferPath::Command
+        } else {
+            TransferPath::Mapped
+        };
+        self.last_path = Some(path);
         let job = Job {
             dir,
             buffer,
             range: range.clone(),
             file,
             file_offset,
-            in_slot,
+            path,
         };
         run_job(&mut ring.uring, self.config, &job, chunks, op, total)
     }
@@ -187,8 +214,40 @@ impl Transfer {
     /// Whether the last [`Transfer::run`] went through the ring's fixed-buffer slot
     /// (`FGDS_URING_CMD_REGISTER`: nothing pinned per request) rather than the mapped address.
     pub fn last_run_in_slot(&self) -> bool {
-        self.last_in_slot
+        self.last_path == Some(TransferPath::Slot)
     }
+
+    /// How the last [`Transfer::run`] moved its data; `None` before the first.
+    pub fn last_run_path(&self) -> Option<TransferPath> {
+        self.last_path
+    }
+}
+
+/// Whether fgds takes `FGDS_URING_CMD_READ`/`WRITE` on this ring, asked once: a command of no
+/// length is refused with EINVAL by a driver that has them (ENOTTY or EOPNOTSUPP where not).
+fn takes_commands(ring: &mut Ring, buffer: &Buffer) -> bool {
+    if let Some(known) = ring.commands {
+        return known;
+    }
+    let arg = crate::uapi::Io {
+        idx: buffer.idx(),
+        ..Default::default()
+    };
+    let sqe = opcode::UringCmd80::new(
+        types::Fd(buffer.node().as_raw_fd()),
+        crate::uapi::URING_CMD_READ,
+    )
+    .cmd(arg.to_cmd())
+    .build();
+    // SAFETY: the command carries its argument inline; it refers to no memory of ours.
+    let pushed = unsafe { ring.uring.submission().push(&sqe) }.is_ok();
+    let res = match pushed && ring.uring.submit_and_wait(1).is_ok() {
+        true => ring.uring.completion().next().map(|cqe| cqe.result()),
+        false => None,
+    };
+    let known = res == Some(-libc::EINVAL);
+    ring.commands = Some(known);
+    known
 }
 
 /// Puts `buffer` into the ring's slot where the kernel can, unless it is there already;
@@ -253,7 +312,7 @@ fn lock(ring: &Mutex<Ring>) -> MutexGuard<'_, Ring> {
 }
 
 fn run_job(
-    uring: &mut IoUring,
+    uring: &mut IoUring<Entry128>,
     config: TransferConfig,
     job: &Job<'_>,
     mut chunks: Vec<Chunk>,
@@ -330,29 +389,44 @@ fn run_job(
     }
 }
 
-fn submit(uring: &mut IoUring, job: &Job<'_>, chunk: &Chunk, index: usize) -> Result<()> {
+fn submit(uring: &mut IoUring<Entry128>, job: &Job<'_>, chunk: &Chunk, index: usize) -> Result<()> {
     let (dir, file, file_offset) = (job.dir, job.file, job.file_offset);
     let offset = job.range.start + chunk.start + chunk.done;
     let len = (chunk.len - chunk.done) as u32;
     let file_off = file_offset + (chunk.start + chunk.done) as u64;
     let fd = types::Fd(file.as_raw_fd());
-    let sqe = if job.in_slot {
-        // The slot is addressed by offset from the buffer's start.
-        let at = offset as *mut u8;
-        match dir {
-            Direction::Read => opcode::ReadFixed::new(fd, at, len, 0)
-                .offset(file_off)
-                .build(),
-            Direction::Write => opcode::WriteFixed::new(fd, at, len, 0)
-                .offset(file_off)
-                .build(),
+    let sqe: Entry128 = match job.path {
+        TransferPath::Slot => {
+            // The slot is addressed by offset from the buffer's start.
+            let at = offset as *mut u8;
+            match dir {
+                Direction::Read => opcode::ReadFixed::new(fd, at, len, 0)
+                    .offset(file_off)
+                    .build(),
+                Direction::Write => opcode::WriteFixed::new(fd, at, len, 0)
+                    .offset(file_off)
+                    .build(),
+            }
+            .into()
         }
-    } else {
-        // SAFETY: `offset + (len - done)` stays inside `range`, which is inside the buffer.
-        let ptr = unsafe { job.buffer.as_ptr().add(offset) };
-        match dir {
-            Direction::Read => opcode::Read::new(fd, ptr, len).offset(file_off).build(),
-            Direction::Write => opcode::Write::new(fd, ptr, len).offset(file_off).build(),
+        TransferPath::Command => {
+            let op = match dir {
+                Direction::Read => crate::uapi::URING_CMD_READ,
+                Direction::Write => crate::uapi::URING_CMD_WRITE,
+            };
+            let arg = job.buffer.io_arg(file, offset, len as usize, file_off);
+            opcode::UringCmd80::new(types::Fd(job.buffer.node().as_raw_fd()), op)
+                .cmd(arg.to_cmd())
+                .build()
+        }
+        TransferPath::Mapped => {
+            // SAFETY: `offset + (len - done)` stays inside `range`, which is inside the buffer.
+            let ptr = unsafe { job.buffer.as_ptr().add(offset) };
+            match dir {
+                Direction::Read => opcode::Read::new(fd, ptr, len).offset(file_off).build(),
+                Direction::Write => opcode::Write::new(fd, ptr, len).offset(file_off).build(),
+            }
+            .into()
         }
     }
     .user_data(index as u64);

@@ -54,3 +54,39 @@ impl UringBuffer {
 pub const URING_CMD_REGISTER: Opcode = opcode::write::<UringBuffer>(MAGIC, 0x10);
 /// `FGDS_URING_CMD_UNREGISTER`.
 pub const URING_CMD_UNREGISTER: Opcode = opcode::write::<UringBuffer>(MAGIC, 0x11);
+
+/// `struct fgds_io`: the argument of `FGDS_IOCTL_READ`/`WRITE`, and the command area of an
+/// `FGDS_URING_CMD_READ`/`WRITE` SQE (128-byte entries).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Io {
+    pub idx: u64,
+    pub offset: u64,
+    pub len: u64,
+    pub file_offset: u64,
+    pub fd: i32,
+    pub flags: u32,
+}
+
+impl Io {
+    /// The 80 bytes of a 128-byte SQE's command area.
+    pub fn to_cmd(self) -> [u8; 80] {
+        let mut cmd = [0u8; 80];
+        cmd[..8].copy_from_slice(&self.idx.to_ne_bytes());
+        cmd[8..16].copy_from_slice(&self.offset.to_ne_bytes());
+        cmd[16..24].copy_from_slice(&self.len.to_ne_bytes());
+        cmd[24..32].copy_from_slice(&self.file_offset.to_ne_bytes());
+        cmd[32..36].copy_from_slice(&self.fd.to_ne_bytes());
+        cmd[36..40].copy_from_slice(&self.flags.to_ne_bytes());
+        cmd
+    }
+}
+
+/// `FGDS_IOCTL_READ`: from the file into the registration.
+pub const IOCTL_READ: Opcode = opcode::write::<Io>(MAGIC, 0x03);
+/// `FGDS_IOCTL_WRITE`: from the registration to the file.
+pub const IOCTL_WRITE: Opcode = opcode::write::<Io>(MAGIC, 0x04);
+/// `FGDS_URING_CMD_READ` (an io_uring command's `cmd_op`).
+pub const URING_CMD_READ: Opcode = opcode::write::<Io>(MAGIC, 0x12);
+/// `FGDS_URING_CMD_WRITE`.
+pub const URING_CMD_WRITE: Opcode = opcode::write::<Io>(MAGIC, 0x13);

@@ -5,7 +5,7 @@ use std::mem::{offset_of, size_of};
 use std::path::Path;
 use std::process::Command;
 
-use fgds::uapi::{self, RegBuffer, UnregBuffer, UringBuffer};
+use fgds::uapi::{self, Io, RegBuffer, UnregBuffer, UringBuffer};
 
 const PROBE: &str = r#"
 #include <stdio.h>
@@ -30,6 +30,17 @@ int main(void)
 	printf("uring_flags %zu\n", offsetof(struct fgds_uring_buffer, flags));
 	printf("uring_register %lu\n", (unsigned long)FGDS_URING_CMD_REGISTER);
 	printf("uring_unregister %lu\n", (unsigned long)FGDS_URING_CMD_UNREGISTER);
+	printf("io_size %zu\n", sizeof(struct fgds_io));
+	printf("io_idx %zu\n", offsetof(struct fgds_io, idx));
+	printf("io_offset %zu\n", offsetof(struct fgds_io, offset));
+	printf("io_len %zu\n", offsetof(struct fgds_io, len));
+	printf("io_file_offset %zu\n", offsetof(struct fgds_io, file_offset));
+	printf("io_fd %zu\n", offsetof(struct fgds_io, fd));
+	printf("io_flags %zu\n", offsetof(struct fgds_io, flags));
+	printf("io_read %lu\n", (unsigned long)FGDS_IOCTL_READ);
+	printf("io_write %lu\n", (unsigned long)FGDS_IOCTL_WRITE);
+	printf("uring_read %lu\n", (unsigned long)FGDS_URING_CMD_READ);
+	printf("uring_write %lu\n", (unsigned long)FGDS_URING_CMD_WRITE);
 	return 0;
 }
 "#;
@@ -87,6 +98,17 @@ fn rust_mirror_matches_the_c_header() {
         ("uring_flags", offset_of!(UringBuffer, flags) as u64),
         ("uring_register", uapi::URING_CMD_REGISTER as u64),
         ("uring_unregister", uapi::URING_CMD_UNREGISTER as u64),
+        ("io_size", size_of::<Io>() as u64),
+        ("io_idx", offset_of!(Io, idx) as u64),
+        ("io_offset", offset_of!(Io, offset) as u64),
+        ("io_len", offset_of!(Io, len) as u64),
+        ("io_file_offset", offset_of!(Io, file_offset) as u64),
+        ("io_fd", offset_of!(Io, fd) as u64),
+        ("io_flags", offset_of!(Io, flags) as u64),
+        ("io_read", uapi::IOCTL_READ as u64),
+        ("io_write", uapi::IOCTL_WRITE as u64),
+        ("uring_read", uapi::URING_CMD_READ as u64),
+        ("uring_write", uapi::URING_CMD_WRITE as u64),
     ];
     let c = c_values();
     assert_eq!(c.len(), rust.len(), "the probe printed {c:?}");

@@ -228,6 +228,7 @@ const VGPU_PROGRAMS: &[&str] = &[
     "fgds_fault_kill",
     "fgds_revoke",
     "fgds_uring",
+    "fgds_io",
     "fgds_fault_drive",
     "fgds_fault_nvme_unplug",
     "fgds_fault_gpu_unplug",
@@ -301,8 +302,8 @@ pub const SKIPS: &[Skip] = &[
         when: &[When::Unpatched("io-uring-revocable-kbuf")],
         reason: "EOPNOTSUPP: this kernel cannot revoke io_uring kernel buffers",
         why: "FGDS_URING_CMD_REGISTER needs io_buffer_register_kbuf(), the kernel change \
-              io-uring-revocable-kbuf (not upstream): without it fgds has no io_uring command, \
-              and io_uring answers EOPNOTSUPP",
+              io-uring-revocable-kbuf (not upstream): without it fgds answers the command with \
+              EOPNOTSUPP",
     },
     Skip {
         cases: PMD_CASES,
@@ -341,6 +342,7 @@ pub const SKIPS: &[Skip] = &[
             "fgds_fault_inject::*",
             "fgds_revoke::*",
             "fgds_uring::*",
+            "fgds_io::*",
             "fgds_badinput::limit_memlock_enomem",
             "fgds_badinput::limit_bytes_per_user_enospc",
             "fgds_cli",

@@ -8,10 +8,12 @@
 //! - `ram`: into (or out of) RAM as a reader that wants the drive's best has it: 2 MiB aligned,
 //!   transparent huge pages asked for (`MADV_HUGEPAGE`), touched, and an io_uring fixed buffer
 //!   where the kernel takes one: the drive's ceiling;
-//! - `direct`: into a GPU buffer registered with fgds; where the kernel can revoke an io_uring
-//!   kernel buffer (`vm-images/kernel-patches/io-uring-revocable-kbuf`), the registration is
-//!   each ring's fixed buffer through `FGDS_URING_CMD_REGISTER` (no pin at all, and none per
-//!   request), else requests pin its pages one by one (GPU memory is never pinned long-term);
+//! - `direct`: into a GPU buffer registered with fgds, and nothing of it pinned: where the
+//!   kernel can revoke an io_uring kernel buffer (`vm-images/kernel-patches/io-uring-revocable-kbuf`),
+//!   the registration is each ring's fixed buffer through `FGDS_URING_CMD_REGISTER`; elsewhere
+//!   fgds moves the data itself (`FGDS_URING_CMD_READ`/`WRITE`, each request in an io_uring
+//!   worker); with `--fixed-buffers off`, requests name the mapped address and pin its pages
+//!   one by one while in flight (GPU memory is never pinned long-term);
 //! - `bounce`: what a loader without GPU-direct I/O does (cuFile's compatibility mode): reads
 //!   into RAM staging like `ram`'s (pinned as a fixed buffer), then the fastest CPU copy into
 //!   the GPU through the exporter's own mapping (`memcpy` or non-temporal stores, whichever
@@ -26,6 +28,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use fgds::{CpuMapping, Gpu};
+use io_uring::squeue::Entry128;
 use io_uring::{IoUring, opcode, types};
 
 use crate::Source;
@@ -191,6 +194,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             Ok(Fixed::Slot) => eprintln!(
                 "bench: {mode}: each ring's fixed buffer is the registration, through FGDS_URING_CMD_REGISTER"
             ),
+            Ok(Fixed::Command) => eprintln!(
+                "bench: {mode}: fgds moves the data itself, through FGDS_URING_CMD_READ/WRITE"
+            ),
             Ok(Fixed::Pinned) => {}
         }
         runs.push(ModeRun {
@@ -321,6 +327,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "fixed_buffer_kind": fixed.as_ref().ok().map(|kind| match kind {
                 Fixed::Pinned => "pinned",
                 Fixed::Slot => "fgds-uring-cmd",
+                Fixed::Command => "fgds-io-commands",
             }),
             "fixed_buffers_refused": fixed.err(),
         });
@@ -370,7 +377,7 @@ struct ModeRun {
     target: Target,
     /// Bytes of the target each thread's requests cycle through.
     region: usize,
-    rings: Vec<IoUring>,
+    rings: Vec<Ring>,
     fixed: Result<Fixed, String>,
     /// `bounce` writes: per thread, the staging slot already holding the next request's data.
     ready: Vec<Option<usize>>,
@@ -788,6 +795,9 @@ fn host_cpu(port: &Path) -> anyhow::Result<(u64, u64)> {
     })
 }
 
+/// A thread's io_uring: 128-byte entries for every mode (see [`make_rings`]).
+type Ring = IoUring<Entry128>;
+
 /// How a mode's rings hold its memory as their fixed buffer.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Fixed {
@@ -796,17 +806,22 @@ enum Fixed {
     /// `direct`: the fgds registration, put into slot 0 by `FGDS_URING_CMD_REGISTER`;
     /// requests name it by offset from the registration's start.
     Slot,
+    /// `direct`: no fixed buffer; fgds moves the data itself (`FGDS_URING_CMD_READ`/`WRITE`),
+    /// requests naming the registration's token and an offset into it.
+    Command,
 }
 
 /// One io_uring per thread, each with its part of the target registered as its fixed buffer
-/// where `--fixed-buffers` asks for it; the second value says how they are, or why not.
+/// where `--fixed-buffers` asks for it; the second value says how they are, or why not. Every
+/// mode's rings have 128-byte entries, which `direct`'s commands need, so that the modes differ
+/// in their memory only.
 fn make_rings(
     target: &Target,
     opts: &Options,
     region: usize,
-) -> anyhow::Result<(Vec<IoUring>, Result<Fixed, String>)> {
+) -> anyhow::Result<(Vec<Ring>, Result<Fixed, String>)> {
     let mut rings = (0..opts.threads)
-        .map(|_| IoUring::new(opts.queue_depth.next_power_of_two() as u32))
+        .map(|_| IoUring::<Entry128>::builder().build(opts.queue_depth.next_power_of_two() as u32))
         .collect::<std::io::Result<Vec<_>>>()
         .context("io_uring_setup")?;
     if opts.fixed_buffers == FixedBuffers::Off {
@@ -828,7 +843,10 @@ fn make_rings(
             }
             Err(reason) => {
                 release_rings(&rings);
-                Ok((rings, Err(reason)))
+                match fgds_commands(&mut rings[0], buffer) {
+                    Ok(()) => Ok((rings, Ok(Fixed::Command))),
+                    Err(why) => Ok((rings, Err(format!("{reason}; {why}")))),
+                }
             }
         };
     }
@@ -852,9 +870,33 @@ fn make_rings(
     Ok((rings, Ok(Fixed::Pinned)))
 }
 
+/// Whether fgds takes `FGDS_URING_CMD_READ`/`WRITE`: a command of no length is refused with
+/// EINVAL where it does (ENOTTY or EOPNOTSUPP where not).
+fn fgds_commands(ring: &mut Ring, buffer: &fgds::Buffer) -> Result<(), String> {
+    let arg = fgds::uapi::Io {
+        idx: buffer.idx(),
+        ..Default::default()
+    };
+    let sqe = opcode::UringCmd80::new(types::Fd(buffer.node_fd()), fgds::uapi::URING_CMD_READ)
+        .cmd(arg.to_cmd())
+        .build();
+    // SAFETY: the command carries its argument inline; it refers to no memory of ours.
+    unsafe { ring.submission().push(&sqe) }.map_err(|_| "submission queue full".to_owned())?;
+    ring.submit_and_wait(1)
+        .map_err(|err| format!("io_uring_enter: {err}"))?;
+    match ring.completion().next().map(|c| c.result()) {
+        Some(res) if res == -libc::EINVAL => Ok(()),
+        Some(res) => Err(format!(
+            "fgds has no FGDS_URING_CMD_READ: {}",
+            std::io::Error::from_raw_os_error(-res)
+        )),
+        None => Err("no completion for FGDS_URING_CMD_READ".to_owned()),
+    }
+}
+
 /// Unregisters the rings' fixed buffers, so that their pages are unpinned now rather than when
 /// the kernel gets round to freeing the rings.
-fn release_rings(rings: &[IoUring]) {
+fn release_rings(rings: &[Ring]) {
     for ring in rings {
         let _ = ring.submitter().unregister_buffers();
     }
@@ -975,7 +1017,7 @@ struct ThreadIo<'a> {
 /// already filled for the next request from one turn to the next.
 fn thread_io(
     io: &ThreadIo<'_>,
-    ring: &mut IoUring,
+    ring: &mut Ring,
     ready: &mut Option<usize>,
 ) -> anyhow::Result<Vec<Duration>> {
     let opts = io.opts;
@@ -1022,7 +1064,7 @@ fn thread_io(
     // Queues request `next` into a free slot (a `bounce` write's into the slot filled for it,
     // or one filled now); `bounce` hands it to the kernel at once, so that it is in flight
     // while the thread copies.
-    let submit = |ring: &mut IoUring,
+    let submit = |ring: &mut Ring,
                   issued_at: &mut [Instant],
                   free: &mut Vec<usize>,
                   ready: &mut Option<usize>,
@@ -1040,18 +1082,44 @@ fn thread_io(
         };
         // A slot made by fgds is addressed from 0, the registration's start.
         let base = match io.fixed {
-            Some(Fixed::Slot) => 0,
+            Some(Fixed::Slot | Fixed::Command) => 0,
             _ => io.target.io_ptr() as usize,
         };
         let ptr = (base + at(slot)) as *mut u8;
         let block = (next * opts.threads as u64 + io.thread) % span_blocks;
         let off = opts.file_offset + block * bs as u64;
         let len = bs as u32;
-        let sqe = match (io.write, io.fixed.is_some()) {
-            (true, true) => opcode::WriteFixed::new(fd, ptr, len, 0).offset(off).build(),
-            (true, false) => opcode::Write::new(fd, ptr, len).offset(off).build(),
-            (false, true) => opcode::ReadFixed::new(fd, ptr, len, 0).offset(off).build(),
-            (false, false) => opcode::Read::new(fd, ptr, len).offset(off).build(),
+        let sqe: Entry128 = match (io.write, io.fixed) {
+            (write, Some(Fixed::Command)) => {
+                let Target::Direct { buffer, .. } = io.target else {
+                    bail!("fgds's commands for a target that is not fgds's");
+                };
+                let arg = fgds::uapi::Io {
+                    idx: buffer.idx(),
+                    offset: at(slot) as u64,
+                    len: u64::from(len),
+                    file_offset: off,
+                    fd: io.file.as_raw_fd(),
+                    flags: 0,
+                };
+                let op = match write {
+                    true => fgds::uapi::URING_CMD_WRITE,
+                    false => fgds::uapi::URING_CMD_READ,
+                };
+                opcode::UringCmd80::new(types::Fd(buffer.node_fd()), op)
+                    .cmd(arg.to_cmd())
+                    .build()
+            }
+            (true, Some(_)) => opcode::WriteFixed::new(fd, ptr, len, 0)
+                .offset(off)
+                .build()
+                .into(),
+            (true, None) => opcode::Write::new(fd, ptr, len).offset(off).build().into(),
+            (false, Some(_)) => opcode::ReadFixed::new(fd, ptr, len, 0)
+                .offset(off)
+                .build()
+                .into(),
+            (false, None) => opcode::Read::new(fd, ptr, len).offset(off).build().into(),
         };
         issued_at[slot] = Instant::now();
         // SAFETY: the slot's memory lives until the run ends, and the run waits for every

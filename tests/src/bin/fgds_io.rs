@@ -1,0 +1,509 @@
+//! fgds's own reads and writes (`FGDS_IOCTL_READ`/`WRITE`, `FGDS_URING_CMD_READ`/`WRITE`), on
+//! every kernel: data moves between a file and a registration with no mapping and no pin, on
+//! the raw drive and on an ext4 file, many commands in flight on one ring; a revocation waits
+//! for a call held in flight and for no timer, makes new calls fail with ENODEV at once, and
+//! nothing of the held call lands once the exporter reuses the memory; bad calls fail with
+//! the errno the header documents; the crate's `Transfer` uses the commands where there is no
+//! io_uring slot.
+
+#[path = "../fgds_common.rs"]
+mod common;
+#[path = "../fgds_fault_common.rs"]
+mod fault;
+
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::fs::FileExt;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use common::{MIB, PAGE};
+use fgds::uapi;
+use fgds_tests::guest::AlignedBuf;
+use fgds_tests::ktap::{self, Case, CaseResult};
+use fgds_tests::{ctl, pattern};
+use io_uring::squeue::Entry128;
+use io_uring::{IoUring, opcode, types};
+
+/// NVMe scratch area of this program: reads come from here, writes go 4 MiB further.
+const SCRATCH: u64 = 232 * MIB;
+const SEED_SENTINEL: u64 = 0x494f_534e;
+const SEED_READ: u64 = 0x494f_5244;
+const SEED_FILE: u64 = 0x494f_4654;
+/// How long the held-call case keeps its read held.
+const HOLD: Duration = Duration::from_secs(2);
+/// The blkdebug breakpoint tag.
+const TAG: &str = "fgds_io";
+
+fn main() {
+    common::run_unless_refused(&[
+        Case {
+            name: "ioctl_reads_and_writes_with_no_mapping",
+            run: ioctl_reads_and_writes_with_no_mapping,
+        },
+        Case {
+            name: "ext4_file_both_directions",
+            run: ext4_file_both_directions,
+        },
+        Case {
+            name: "uring_commands_many_in_flight",
+            run: uring_commands_many_in_flight,
+        },
+        Case {
+            name: "held_call_never_lands_after_revocation",
+            run: held_call_never_lands_after_revocation,
+        },
+        Case {
+            name: "bad_calls_fail_with_their_errno",
+            run: bad_calls_fail_with_their_errno,
+        },
+        Case {
+            name: "crate_transfer_takes_the_commands",
+            run: crate_transfer_takes_the_commands,
+        },
+    ])
+}
+
+/// `struct fgds_io` for `len` bytes at `offset` of token `idx` and `file_offset` of `file`.
+fn io_arg(idx: u64, offset: u64, len: u64, file: &File, file_offset: u64) -> uapi::Io {
+    uapi::Io {
+        idx,
+        offset,
+        len,
+        file_offset,
+        fd: file.as_raw_fd(),
+        flags: 0,
+    }
+}
+
+/// One `FGDS_IOCTL_READ` (`write` false) or `FGDS_IOCTL_WRITE`; the bytes moved or the errno.
+fn ioctl_io(node: &File, write: bool, arg: &uapi::Io) -> Result<usize, i32> {
+    let request = if write {
+        uapi::IOCTL_WRITE
+    } else {
+        uapi::IOCTL_READ
+    };
+    // SAFETY: `Io` is `struct fgds_io`, which the kernel only reads.
+    let res = unsafe { libc::ioctl(node.as_raw_fd(), request as _, arg) };
+    match res {
+        n if n >= 0 => Ok(n as usize),
+        _ => Err(std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO)),
+    }
+}
+
+fn io_cmd(node: &File, write: bool, arg: &uapi::Io) -> Entry128 {
+    let op = if write {
+        uapi::URING_CMD_WRITE
+    } else {
+        uapi::URING_CMD_READ
+    };
+    opcode::UringCmd80::new(types::Fd(node.as_raw_fd()), op)
+        .cmd(arg.to_cmd())
+        .build()
+}
+
+/// Reads the drive into part of a registration and writes another part back, through the
+/// ioctls: the data lands where asked and nowhere else, and the registration is never mapped.
+fn ioctl_reads_and_writes_with_no_mapping() -> CaseResult {
+    fault::require_idle()?;
+    const LEN: u64 = 4 * MIB;
+    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, 2 * LEN)?;
+    fault::vgpu_fill(bar_off, 2 * LEN, SEED_SENTINEL)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, 2 * LEN)?;
+    let nvme = common::nvme(true)?;
+    // Into the second half, at an offset that is not a folio boundary.
+    let at = LEN + 64 * 1024;
+    let len = LEN - 128 * 1024;
+    let n = ioctl_io(&node, false, &io_arg(idx, at, len, &nvme, SCRATCH))
+        .map_err(std::io::Error::from_raw_os_error)
+        .context("FGDS_IOCTL_READ")?;
+    ensure!(
+        n == len as usize,
+        "FGDS_IOCTL_READ moved {n} of {len} bytes"
+    );
+    ctl::gpu_check_at(bar_off + at, len, SEED_READ, 0)
+        .context("the host's look at GPU memory after FGDS_IOCTL_READ")?;
+    ctl::gpu_check(bar_off, LEN, SEED_SENTINEL)
+        .context("GPU memory before the read's range was written")?;
+
+    let n = ioctl_io(&node, true, &io_arg(idx, 0, LEN, &nvme, SCRATCH + LEN))
+        .map_err(std::io::Error::from_raw_os_error)
+        .context("FGDS_IOCTL_WRITE")?;
+    ensure!(
+        n == LEN as usize,
+        "FGDS_IOCTL_WRITE moved {n} of {LEN} bytes"
+    );
+    let mut back = AlignedBuf::new(LEN as usize)?;
+    nvme.read_exact_at(back.as_mut_slice(), SCRATCH + LEN)?;
+    if let Some(at) = pattern::first_mismatch(SEED_SENTINEL, 0, back.as_slice()) {
+        bail!("the drive's byte {at:#x} is not GPU memory's after FGDS_IOCTL_WRITE");
+    }
+    drop((node, dmabuf));
+    fault::wait_counters_zero("the node closed")?;
+    ktap::pass()
+}
+
+/// A file of an ext4 filesystem (iomap direct I/O) both ways through the ioctls, with a read
+/// that ends at the file's end: it comes up short, as `pread` would.
+fn ext4_file_both_directions() -> CaseResult {
+    fault::require_idle()?;
+    let Some(dir) = std::env::var_os("FGDS_EXT4") else {
+        return ktap::skip("the rig provides no ext4 filesystem (FGDS_EXT4 unset)");
+    };
+    const LEN: u64 = 8 * MIB;
+    let path = std::path::Path::new(&dir).join("fgds-io.bin");
+    let mut ram = AlignedBuf::new(LEN as usize)?;
+    pattern::fill(SEED_FILE, 0, ram.as_mut_slice());
+    std::fs::write(&path, ram.as_slice())?;
+    let file = fgds_tests::guest::open_direct(&path, true)?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    let n = ioctl_io(&node, false, &io_arg(idx, 0, LEN, &file, 0))
+        .map_err(std::io::Error::from_raw_os_error)
+        .context("FGDS_IOCTL_READ from the file")?;
+    ensure!(
+        n == LEN as usize,
+        "FGDS_IOCTL_READ moved {n} of {LEN} bytes"
+    );
+    ctl::gpu_check(bar_off, LEN, SEED_FILE).context("GPU memory after the file's read")?;
+    // Past the file's end: the read stops there.
+    let n = ioctl_io(&node, false, &io_arg(idx, 0, 2 * MIB, &file, LEN - MIB))
+        .map_err(std::io::Error::from_raw_os_error)
+        .context("FGDS_IOCTL_READ across the file's end")?;
+    ensure!(
+        n == MIB as usize,
+        "a 2 MiB read 1 MiB before the file's end moved {n} bytes, want 1 MiB"
+    );
+    let n = ioctl_io(&node, true, &io_arg(idx, 0, LEN, &file, LEN))
+        .map_err(std::io::Error::from_raw_os_error)
+        .context("FGDS_IOCTL_WRITE to the file")?;
+    ensure!(
+        n == LEN as usize,
+        "FGDS_IOCTL_WRITE moved {n} of {LEN} bytes"
+    );
+    file.read_exact_at(ram.as_mut_slice(), LEN)?;
+    if let Some(at) = pattern::first_mismatch(SEED_FILE, 0, ram.as_slice()) {
+        bail!("the file's byte {at:#x} past 8 MiB is not GPU memory's after FGDS_IOCTL_WRITE");
+    }
+    drop((file, node, dmabuf));
+    std::fs::remove_file(&path)?;
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// Sixteen 256 KiB reads, eight in flight on one ring, then the same back to the drive: each
+/// lands at its own offset (io_uring runs them in its workers).
+fn uring_commands_many_in_flight() -> CaseResult {
+    fault::require_idle()?;
+    const LEN: u64 = 4 * MIB;
+    const PIECE: u64 = 256 * 1024;
+    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    let nvme = common::nvme(true)?;
+    let mut ring = IoUring::<Entry128>::builder()
+        .build(8)
+        .context("io_uring_setup with 128-byte entries")?;
+    for write in [false, true] {
+        let file_base = if write { SCRATCH + LEN } else { SCRATCH };
+        let mut next = 0;
+        let mut done = 0;
+        let mut in_flight = 0;
+        while done < LEN / PIECE {
+            while in_flight < 8 && next < LEN / PIECE {
+                // Pieces in reverse order of the drive's, so a mix-up shows.
+                let at = LEN - (next + 1) * PIECE;
+                let arg = io_arg(idx, at, PIECE, &nvme, file_base + at);
+                let sqe = io_cmd(&node, write, &arg).user_data(next);
+                // SAFETY: the command carries its argument inline; it refers to no memory.
+                unsafe { ring.submission().push(&sqe) }.context("submission queue full")?;
+                next += 1;
+                in_flight += 1;
+            }
+            ring.submit_and_wait(1)?;
+            for cqe in ring.completion().collect::<Vec<_>>() {
+                in_flight -= 1;
+                done += 1;
+                ensure!(
+                    cqe.result() == PIECE as i32,
+                    "command {} ({}) gave {}",
+                    cqe.user_data(),
+                    if write { "write" } else { "read" },
+                    cqe.result()
+                );
+            }
+        }
+        if !write {
+            ctl::gpu_check(bar_off, LEN, SEED_READ).context("GPU memory after the reads")?;
+        }
+    }
+    let mut back = AlignedBuf::new(LEN as usize)?;
+    nvme.read_exact_at(back.as_mut_slice(), SCRATCH + LEN)?;
+    if let Some(at) = pattern::first_mismatch(SEED_READ, 0, back.as_slice()) {
+        bail!("the drive's byte {at:#x} is not GPU memory's after the write commands");
+    }
+    drop((ring, node, dmabuf));
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// A read held in flight (a blkdebug breakpoint) while the exporter revokes the registration:
+/// the invalidation returns at once, a new call fails with ENODEV at once, the fence signals
+/// only after the held read ended although the revocation deadline is shorter, and nothing of
+/// it lands once the exporter reuses the memory.
+fn held_call_never_lands_after_revocation() -> CaseResult {
+    fault::require_idle()?;
+    const LEN: u64 = 4 * MIB;
+    // A deadline shorter than the hold: no timer may give the memory back.
+    let _timeout = fault::RevokeTimeout::set(500)?;
+    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    let nvme = common::nvme(false)?;
+
+    let bp = common::Breakpoint::arm(TAG)?;
+    let reader = {
+        let (node, nvme) = (node.try_clone()?, nvme.try_clone()?);
+        std::thread::spawn(move || ioctl_io(&node, false, &io_arg(idx, 0, LEN, &nvme, SCRATCH)))
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    ensure!(
+        !reader.is_finished(),
+        "the read was not held by the breakpoint: {:?}",
+        fault::join(reader, "read")?
+    );
+    fault::host_log("fgds_io: vgpu revokes a buffer with FGDS_IOCTL_READ held")?;
+    let started = Instant::now();
+    let revoker = std::thread::spawn(move || common::revoke(bar_off));
+    fault::wait_until(
+        "the revocation to reach fgds (mmap of the token refused)",
+        Duration::from_secs(10),
+        || Ok(common::Map::shared(&node, idx, LEN as usize).is_err()),
+    )?;
+    let late = ioctl_io(&node, false, &io_arg(idx, 0, PAGE, &nvme, SCRATCH));
+    ensure!(
+        late == Err(libc::ENODEV),
+        "FGDS_IOCTL_READ of the revoked registration gave {late:?}, want ENODEV"
+    );
+    std::thread::sleep(HOLD.saturating_sub(started.elapsed()));
+    ensure!(
+        !revoker.is_finished(),
+        "the exporter's revocation returned while FGDS_IOCTL_READ was in flight: it got the \
+         memory back early ({:?})",
+        fault::join(revoker, "revoked")?
+    );
+    let resumed = started.elapsed();
+    bp.resume()?;
+    let read = fault::join(reader, "read")?;
+    fault::join(revoker, "revoked")?.context("revoke")?;
+    fault::check_held_revocation(bar_off, resumed, read)?;
+    ensure!(
+        read == Ok(LEN as usize),
+        "the held read ended with {read:?}, want {LEN} bytes (it started before the revocation)"
+    );
+    // The exporter reuses the memory: anything of the read landing from now on would show.
+    fault::reuse_and_check(bar_off, LEN, SEED_SENTINEL)?;
+    drop((node, dmabuf));
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// Every documented refusal, through the ioctl and (for the ring's entry size) io_uring.
+fn bad_calls_fail_with_their_errno() -> CaseResult {
+    fault::require_idle()?;
+    const LEN: u64 = 2 * MIB;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, _) = common::alloc(&vgpu, LEN)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    let nvme = common::nvme(false)?;
+    let buffered = File::open(fgds_tests::guest::nvme_path()?)?;
+    let good = io_arg(idx, 0, PAGE, &nvme, SCRATCH);
+    let cases: [(&str, bool, uapi::Io, i32); 10] = [
+        (
+            "flags set",
+            false,
+            uapi::Io { flags: 1, ..good },
+            libc::EINVAL,
+        ),
+        (
+            "token not page aligned",
+            false,
+            uapi::Io {
+                idx: idx + 1,
+                ..good
+            },
+            libc::EINVAL,
+        ),
+        (
+            "no length",
+            false,
+            uapi::Io { len: 0, ..good },
+            libc::EINVAL,
+        ),
+        (
+            "past the end",
+            false,
+            uapi::Io {
+                offset: LEN - PAGE,
+                len: 2 * PAGE,
+                ..good
+            },
+            libc::EINVAL,
+        ),
+        (
+            "file without O_DIRECT",
+            false,
+            io_arg(idx, 0, PAGE, &buffered, SCRATCH),
+            libc::EINVAL,
+        ),
+        (
+            "unknown token",
+            false,
+            uapi::Io {
+                idx: idx + (1 << 20) * PAGE,
+                ..good
+            },
+            libc::ENOENT,
+        ),
+        (
+            "no such fd",
+            false,
+            uapi::Io {
+                fd: 1 << 20,
+                ..good
+            },
+            libc::EBADF,
+        ),
+        ("write to a read-only fd", true, good, libc::EBADF),
+        (
+            "O_DIRECT-misaligned offset",
+            false,
+            uapi::Io {
+                file_offset: SCRATCH + 1,
+                ..good
+            },
+            libc::EINVAL,
+        ),
+        (
+            "length too large",
+            false,
+            uapi::Io {
+                len: 1 << 31,
+                ..good
+            },
+            libc::EINVAL,
+        ),
+    ];
+    for (what, write, arg, want) in cases {
+        let got = ioctl_io(&node, write, &arg);
+        ensure!(
+            got == Err(want),
+            "{what}: gave {got:?}, want {}",
+            std::io::Error::from_raw_os_error(want)
+        );
+    }
+    // A ring of 64-byte entries cannot carry the command.
+    let mut narrow = IoUring::new(2).context("io_uring_setup")?;
+    let sqe = opcode::UringCmd16::new(types::Fd(node.as_raw_fd()), uapi::URING_CMD_READ).build();
+    // SAFETY: the command refers to no memory.
+    unsafe { narrow.submission().push(&sqe) }.context("submission queue full")?;
+    narrow.submit_and_wait(1)?;
+    let res = narrow.completion().next().map(|c| c.result());
+    ensure!(
+        res == Some(-libc::EINVAL),
+        "FGDS_URING_CMD_READ on a ring of 64-byte entries gave {res:?}, want EINVAL"
+    );
+
+    // A read-only dma-buf's registration can be written from, never read into.
+    let (ro, ro_off) = fgds::vgpu::alloc_with(&vgpu, LEN, fgds::vgpu::ALLOC_RDONLY)?;
+    fault::vgpu_fill(ro_off, LEN, SEED_SENTINEL)?;
+    let ro_idx = common::reg(&node, ro.as_fd(), 0, LEN)?;
+    let rw_nvme = common::nvme(true)?;
+    let into = ioctl_io(
+        &node,
+        false,
+        &io_arg(ro_idx, 0, LEN, &rw_nvme, SCRATCH + 4 * MIB),
+    );
+    ensure!(
+        into == Err(libc::EACCES),
+        "a read into the read-only registration gave {into:?}, want EACCES"
+    );
+    let from = ioctl_io(
+        &node,
+        true,
+        &io_arg(ro_idx, 0, LEN, &rw_nvme, SCRATCH + 4 * MIB),
+    );
+    ensure!(from == Ok(LEN as usize), "a write from it gave {from:?}");
+    ctl::gpu_check(ro_off, LEN, SEED_SENTINEL).context("the read-only buffer's memory")?;
+    drop((narrow, node, dmabuf, ro));
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// The crate's `Transfer` (the CLI's and Python's path) takes fgds's commands where the kernel
+/// has no io_uring slots for it (and its slot where it has), and the data arrives both ways.
+fn crate_transfer_takes_the_commands() -> CaseResult {
+    fault::require_idle()?;
+    const LEN: u64 = 4 * MIB;
+    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
+    let gpu = fgds::Gpu::open(&common::vgpu_bdf()?)?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    let buffer = gpu.register(dmabuf.as_fd(), 0, LEN)?;
+    let file = common::nvme(true)?;
+    let mut transfer = fgds::Transfer::new(fgds::TransferConfig {
+        chunk_size: 512 * 1024,
+        queue_depth: 4,
+    })?;
+    let n = transfer.run(
+        fgds::Direction::Read,
+        &buffer,
+        0..LEN as usize,
+        &file,
+        SCRATCH,
+    )?;
+    ensure!(n == LEN as usize, "the read moved {n} bytes");
+    let path = transfer.last_run_path();
+    ktap::diag(format_args!("the crate's Transfer took {path:?}"));
+    ensure!(
+        matches!(
+            path,
+            Some(fgds::TransferPath::Command | fgds::TransferPath::Slot)
+        ),
+        "the read went {path:?}: through the mapping, pinning GPU memory per request"
+    );
+    ctl::gpu_check(bar_off, LEN, SEED_READ).context("GPU memory after the read")?;
+    let n = transfer.run(
+        fgds::Direction::Write,
+        &buffer,
+        0..LEN as usize,
+        &file,
+        SCRATCH + LEN,
+    )?;
+    ensure!(n == LEN as usize, "the write moved {n} bytes");
+    let mut back = AlignedBuf::new(LEN as usize)?;
+    file.read_exact_at(back.as_mut_slice(), SCRATCH + LEN)?;
+    if let Some(at) = pattern::first_mismatch(SEED_READ, 0, back.as_slice()) {
+        bail!("the drive's byte {at:#x} differs after the crate's write");
+    }
+    // The synchronous calls of the crate's buffer, too.
+    let n = buffer.read_from(&file, SCRATCH, 0..LEN as usize)?;
+    ensure!(n == LEN as usize, "Buffer::read_from moved {n} bytes");
+    drop((transfer, buffer, gpu, dmabuf));
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
