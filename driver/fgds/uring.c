@@ -3,7 +3,8 @@
  * fgds: the node's io_uring commands.
  *
  * FGDS_URING_CMD_READ/WRITE are FGDS_IOCTL_READ/WRITE as io_uring commands
- * (rw.c does the I/O), on every kernel. The I/O is synchronous, so a command
+ * (rw.c does the I/O), on every kernel whose io_uring posts their byte count
+ * (not 6.1: fgds_compat.h). The I/O is synchronous, so a command
  * asked not to block is handed back with -EAGAIN and io_uring issues it
  * again from one of its workers, where it may: a ring keeps as many in flight
  * as it has workers for.
@@ -203,6 +204,7 @@ static int fgds_uring_slot(struct io_uring_cmd *cmd, unsigned int issue_flags)
 }
 #endif /* FGDS_HAVE_IO_BUFFER_REGISTER_KBUF */
 
+#ifdef FGDS_URING_CMD_RESULTS
 static int fgds_uring_io(struct io_uring_cmd *cmd, unsigned int issue_flags)
 {
 	struct fgds_file *f = cmd->file->private_data;
@@ -221,6 +223,13 @@ static int fgds_uring_io(struct io_uring_cmd *cmd, unsigned int issue_flags)
 	memcpy(&arg, fgds_uring_cmd_bytes(cmd), sizeof(arg));
 	return fgds_io(f, &arg, cmd->cmd_op == FGDS_URING_CMD_WRITE);
 }
+#else
+/* This io_uring would lose the byte count: FGDS_IOCTL_READ/WRITE instead. */
+static int fgds_uring_io(struct io_uring_cmd *cmd, unsigned int issue_flags)
+{
+	return -EOPNOTSUPP;
+}
+#endif
 
 /**
  * fgds_uring_cmd() - the node's io_uring commands (FGDS_URING_CMD_*)

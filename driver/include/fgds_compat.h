@@ -304,6 +304,18 @@ static inline const void *fgds_uring_cmd_bytes(const struct io_uring_cmd *cmd)
 #endif
 
 /*
+ * Whether io_uring posts a positive result that ->uring_cmd() returns. 6.1
+ * does not: io_uring_cmd() hands it back to io_issue_sqe(), which takes any
+ * value but 0 or an errno for "not completed", and the request never
+ * completes. 6.12 posts it. A behaviour change no probe sees: compared by
+ * version, between the supported 6.1 and 6.12. fgds offers
+ * FGDS_URING_CMD_READ/WRITE only where it holds.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 12, 0)
+#define FGDS_URING_CMD_RESULTS 1
+#endif
+
+/*
  * A synchronous write through a file's ->write_iter(). vfs_iocb_iter_write()
  * takes the file system's freeze protection itself from 6.8 ("fs: move
  * kiocb_start_write() into vfs_iocb_iter_write()"); before, its callers took

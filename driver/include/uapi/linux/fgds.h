@@ -203,6 +203,8 @@ struct fgds_uring_buffer {
  *   writing (WRITE).
  * - EACCES: READ into a registration of a dma-buf opened read-only.
  * - ENODEV: the registration was revoked.
+ * - EOPNOTSUPP: (io_uring commands) this kernel's io_uring cannot post the
+ *   commands' byte counts (Linux 6.1); use FGDS_IOCTL_READ/WRITE.
  * - ENOMEM: out of memory.
  * - anything the file's own read or write returns (EIO, ENOSPC, ...).
  */
