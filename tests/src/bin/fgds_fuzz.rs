@@ -67,6 +67,7 @@ const OPS: &[&str] = &[
     "madvise",
     "pread",
     "pwrite",
+    "fgds_io",
     "uring_read",
     "uring_fixed_buffer",
     "slot_reg",
@@ -856,6 +857,7 @@ const WEIGHTS: &[(&str, Op, u64)] = &[
     ("madvise", op_madvise, 60),
     ("pread", |w, r| op_io(w, r, false), 90),
     ("pwrite", |w, r| op_io(w, r, true), 25),
+    ("fgds_io", op_fgds_io, 50),
     ("uring_read", op_uring, 60),
     ("uring_fixed_buffer", op_fixed_buffer, 8),
     ("slot_reg", op_slot_reg, 20),
@@ -1614,6 +1616,72 @@ fn judge_transfer(sh: &Shared, op: &str, n: i64, len: usize, fault_ok: bool) {
     let e = Errno::from_raw_os_error(if n == -1 { last_errno() } else { -n as i32 });
     let allowed: &[Errno] = if fault_ok { &[Errno::FAULT] } else { &[] };
     sh.check(op, Err(e), allowed, "I/O into a mapping");
+}
+
+/// fgds's own read into (or write from) a registration, `FGDS_IOCTL_READ`/`WRITE`: no mapping,
+/// now and then past the registration's end. A revocation may end it with ENODEV, never with a
+/// short count; while the call is in flight, the revocation's fence waits for it.
+fn op_fgds_io(w: &Worker, rng: &mut Rng) {
+    let sh = w.sh;
+    let Some(reg) = pick(&w.regs, rng) else {
+        return;
+    };
+    // Held across the call: the token names this registration, not a later one.
+    let gone = reg.gone.read().unwrap();
+    if *gone {
+        return;
+    }
+    let len = (1 + rng.below(64)) * PAGE;
+    let from = rng.below((reg.len + PAGE).saturating_sub(len) / PAGE + 1) * PAGE;
+    let write = rng.chance(250);
+    let (file, file_offset) = if write {
+        let off = WRITE_AREA + rng.below((WRITE_AREA_LEN - MIB) / PAGE) * PAGE;
+        (&w.nvme_write, off)
+    } else {
+        let off = rng.below((pattern::NVME_PATTERN_BYTES - MIB) / PAGE) * PAGE;
+        (&w.nvme_read, off)
+    };
+    let arg = fgds::uapi::Io {
+        idx: reg.idx,
+        offset: from,
+        len,
+        file_offset,
+        fd: file.as_raw_fd(),
+        flags: 0,
+    };
+    let request = if write {
+        fgds::uapi::IOCTL_WRITE
+    } else {
+        fgds::uapi::IOCTL_READ
+    };
+    // SAFETY: `Io` is `struct fgds_io`, which the kernel only reads.
+    let n = unsafe { libc::ioctl(reg.node.file.as_raw_fd(), request as _, &arg) };
+    let past_end = from + len > reg.len;
+    let mut allowed = Vec::new();
+    if past_end {
+        allowed.push(Errno::INVAL);
+    }
+    if reg.buf.may_be_revoked(sh) || sh.stale(reg.node.epoch) {
+        allowed.push(Errno::NODEV);
+    }
+    let got = match n {
+        n if n == len as i32 && !past_end => Ok(()),
+        n if n >= 0 => {
+            sh.count("fgds_io", SHORT);
+            sh.fail(
+                "fgds_io",
+                format_args!("{n} of {len} bytes (at {from:#x} of {:#x})", reg.len),
+            );
+            return;
+        }
+        _ => Err(Errno::from_raw_os_error(last_errno())),
+    };
+    sh.check(
+        "fgds_io",
+        got,
+        &allowed,
+        "FGDS_IOCTL_READ/WRITE of a live token",
+    );
 }
 
 thread_local! {
