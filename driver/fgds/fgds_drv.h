@@ -7,9 +7,11 @@
 #define _FGDS_DRV_H
 
 #include <linux/bits.h>
+#include <linux/bvec.h>
 #include <linux/cdev.h>
 #include <linux/device.h>
 #include <linux/dma-fence.h>
+#include <linux/fs.h>
 #include <linux/kref.h>
 #include <linux/list.h>
 #include <linux/mutex.h>
@@ -359,6 +361,29 @@ void fgds_gpu_teardown(struct fgds_gpu *gpu);
 void fgds_quiesce_fn(struct work_struct *work);
 void fgds_cleanup_fn(struct work_struct *work);
 
+/* Segments on the stack; a registration is usually one run of the BAR. */
+#define FGDS_IO_FAST_SEGS	8
+
+/**
+ * struct fgds_io_req - one of fgds's own reads or writes (rw.c)
+ * @kiocb: the file I/O; ->ki_filp holds a reference on the file
+ * @buf: the registration (a reference and a live @users reference held)
+ * @cmd: the io_uring command it serves, if any
+ * @ret: the I/O's result, once ended (io_uring commands)
+ * @write: from the registration to the file
+ * @bv: the registration's bytes as segments: @fast, or an array of its own
+ * @fast: segments of a request that needs few
+ */
+struct fgds_io_req {
+	struct kiocb kiocb;
+	struct fgds_buf *buf;
+	struct io_uring_cmd *cmd;
+	long ret;
+	bool write;
+	struct bio_vec *bv;
+	struct bio_vec fast[FGDS_IO_FAST_SEGS];
+};
+
 /* rw.c */
 int fgds_buf_users_init(struct fgds_buf *buf);
 void fgds_buf_users_exit(struct fgds_buf *buf);
@@ -366,6 +391,10 @@ int fgds_buf_users_get(struct fgds_buf *buf);
 void fgds_buf_users_put(struct fgds_buf *buf);
 void fgds_buf_users_kill(struct fgds_buf *buf);
 bool fgds_buf_users_quiet(struct fgds_buf *buf);
+int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
+		    const struct fgds_io *arg, bool write, struct iov_iter *iter);
+ssize_t fgds_io_issue(struct fgds_io_req *req, struct iov_iter *iter);
+void fgds_io_release(struct fgds_io_req *req);
 ssize_t fgds_io(struct fgds_file *f, const struct fgds_io *arg, bool write);
 long fgds_ioctl_io(struct fgds_file *f, void __user *uarg, bool write);
 

@@ -12,8 +12,10 @@
  * reference is taken, and no mapping is needed.
  *
  * What keeps that safe is the registration's @users: each call takes a live
- * reference before it looks at the pages and drops it once the file's method
- * returned (the kiocb is synchronous: every bio it issued has ended). A
+ * reference before it looks at the pages and drops it once its I/O has
+ * ended: when the file's method returned for the ioctls (a synchronous
+ * kiocb), in the task work that follows ->ki_complete() for the io_uring
+ * commands (uring.c). A
  * revocation kills @users under buf->lock as it sets @revoked, and the pages
  * count as quiet only once @users reached zero (@users_done), so the
  * revocation fence signals after the last call in flight returned, however
@@ -37,9 +39,6 @@
 
 #include "fgds_compat.h"
 #include "fgds_drv.h"
-
-/* Segments on the stack; a registration is usually one run of the BAR. */
-#define FGDS_IO_FAST_SEGS	8
 
 static void fgds_users_release(struct percpu_ref *ref)
 {
@@ -177,49 +176,28 @@ static struct bio_vec *fgds_buf_range_bvecs(struct fgds_buf *buf, u64 off,
 	return bv;
 }
 
-/* The synchronous I/O itself, on @file at @pos; @users held. */
-static ssize_t fgds_buf_file_io(struct fgds_buf *buf, struct file *file,
-				loff_t pos, u64 off, u64 len, bool write)
-{
-	struct bio_vec fast[FGDS_IO_FAST_SEGS], *bv;
-	struct iov_iter iter;
-	struct kiocb kiocb;
-	unsigned int nr;
-	ssize_t ret;
-
-	bv = fgds_buf_range_bvecs(buf, off, len, fast, ARRAY_SIZE(fast), &nr);
-	if (!bv)
-		return -ENOMEM;
-	iov_iter_bvec(&iter, write ? ITER_SOURCE : ITER_DEST, bv, nr, len);
-	init_sync_kiocb(&kiocb, file);
-	kiocb.ki_pos = pos;
-	if (write)
-		ret = fgds_iocb_iter_write(file, &kiocb, &iter);
-	else
-		ret = vfs_iocb_iter_read(file, &kiocb, &iter);
-	if (WARN_ON_ONCE(ret == -EIOCBQUEUED))
-		ret = -EIO;
-	if (bv != fast)
-		kvfree(bv);
-	return ret;
-}
-
 /**
- * fgds_io() - move data between a file and a registration
+ * fgds_io_prepare() - check a call and take what its I/O needs
+ * @req: the request to set up (its kiocb is synchronous until the caller
+ *	sets ->ki_complete)
  * @f: the node's open file the call was made on
  * @arg: the call's struct fgds_io, copied from user space
  * @write: from the registration to the file (else from the file into it)
+ * @iter: set to the registration's bytes, as segments of @req
  *
- * Sleeps until the I/O has ended. Used by FGDS_IOCTL_READ/WRITE and
- * FGDS_URING_CMD_READ/WRITE.
+ * On success @req holds a reference on the registration, a live reference of
+ * its @users, and the file; fgds_io_release() gives them back once the I/O
+ * has ended.
  *
- * Return: bytes moved, or a negative errno (see struct fgds_io).
+ * Return: 0 or a negative errno (see struct fgds_io); nothing is held then.
  */
-ssize_t fgds_io(struct fgds_file *f, const struct fgds_io *arg, bool write)
+int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
+		    const struct fgds_io *arg, bool write, struct iov_iter *iter)
 {
 	struct fgds_buf *buf;
 	struct file *file;
-	ssize_t ret;
+	unsigned int nr;
+	int ret;
 
 	if (arg->flags || (arg->idx & ~PAGE_MASK) || !arg->len ||
 	    arg->len > MAX_RW_COUNT || arg->file_offset > LLONG_MAX)
@@ -247,13 +225,89 @@ ssize_t fgds_io(struct fgds_file *f, const struct fgds_io *arg, bool write)
 	ret = fgds_buf_users_get(buf);
 	if (ret)
 		goto put_file;
-	ret = fgds_buf_file_io(buf, file, arg->file_offset, arg->offset,
-			       arg->len, write);
+	req->bv = fgds_buf_range_bvecs(buf, arg->offset, arg->len, req->fast,
+				       ARRAY_SIZE(req->fast), &nr);
+	if (!req->bv) {
+		ret = -ENOMEM;
+		goto put_users;
+	}
+	iov_iter_bvec(iter, write ? ITER_SOURCE : ITER_DEST, req->bv, nr,
+		      arg->len);
+	init_sync_kiocb(&req->kiocb, file);
+	req->kiocb.ki_pos = arg->file_offset;
+	if (write)
+		req->kiocb.ki_flags |= IOCB_WRITE;
+	req->buf = buf;
+	req->write = write;
+	return 0;
+
+put_users:
 	fgds_buf_users_put(buf);
 put_file:
 	fput(file);
 put_buf:
 	fgds_buf_put(buf);
+	return ret;
+}
+
+/**
+ * fgds_io_issue() - start a prepared request's I/O
+ * @req: the request, from fgds_io_prepare()
+ * @iter: its iterator
+ *
+ * Return: what the file's method returned: bytes moved, a negative errno, or
+ * -EIOCBQUEUED if ->ki_complete will be called.
+ */
+ssize_t fgds_io_issue(struct fgds_io_req *req, struct iov_iter *iter)
+{
+	struct file *file = req->kiocb.ki_filp;
+
+	if (req->write)
+		return fgds_iocb_iter_write(file, &req->kiocb, iter);
+	return vfs_iocb_iter_read(file, &req->kiocb, iter);
+}
+
+/**
+ * fgds_io_release() - give back what fgds_io_prepare() took
+ * @req: the request, whose I/O has ended
+ *
+ * Process context: the registration's last reference may go here.
+ */
+void fgds_io_release(struct fgds_io_req *req)
+{
+	struct fgds_buf *buf = req->buf;
+
+	if (req->bv != req->fast)
+		kvfree(req->bv);
+	fgds_buf_users_put(buf);
+	fput(req->kiocb.ki_filp);
+	fgds_buf_put(buf);
+}
+
+/**
+ * fgds_io() - move data between a file and a registration, synchronously
+ * @f: the node's open file the call was made on
+ * @arg: the call's struct fgds_io, copied from user space
+ * @write: from the registration to the file (else from the file into it)
+ *
+ * Sleeps until the I/O has ended (FGDS_IOCTL_READ/WRITE).
+ *
+ * Return: bytes moved, or a negative errno (see struct fgds_io).
+ */
+ssize_t fgds_io(struct fgds_file *f, const struct fgds_io *arg, bool write)
+{
+	struct fgds_io_req req;
+	struct iov_iter iter;
+	ssize_t ret;
+
+	ret = fgds_io_prepare(&req, f, arg, write, &iter);
+	if (ret)
+		return ret;
+	ret = fgds_io_issue(&req, &iter);
+	/* A synchronous kiocb: the file's method waited for its I/O. */
+	if (WARN_ON_ONCE(ret == -EIOCBQUEUED))
+		ret = -EIO;
+	fgds_io_release(&req);
 	return ret;
 }
 

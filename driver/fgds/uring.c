@@ -205,10 +205,37 @@ static int fgds_uring_slot(struct io_uring_cmd *cmd, unsigned int issue_flags)
 #endif /* FGDS_HAVE_IO_BUFFER_REGISTER_KBUF */
 
 #ifdef FGDS_URING_CMD_RESULTS
+/* The I/O ended and its task work runs: the CQE, after everything is let go. */
+static void fgds_uring_io_done(struct io_uring_cmd *cmd, unsigned int issue_flags)
+{
+	struct fgds_io_req *req = *io_uring_cmd_to_pdu(cmd, struct fgds_io_req *);
+	long ret = req->ret;
+
+	if (req->write)
+		kiocb_end_write(&req->kiocb);
+	fgds_io_release(req);
+	kfree(req);
+	fgds_uring_cmd_done(cmd, ret, issue_flags);
+}
+
+FGDS_DEFINE_URING_TW(fgds_uring_io_tw, fgds_uring_io_done)
+
+/* From the file system's completion, maybe in an interrupt. */
+static void fgds_uring_io_complete(struct kiocb *kiocb, long ret)
+{
+	struct fgds_io_req *req = container_of(kiocb, struct fgds_io_req, kiocb);
+
+	req->ret = ret;
+	io_uring_cmd_complete_in_task(req->cmd, fgds_uring_io_tw);
+}
+
 static int fgds_uring_io(struct io_uring_cmd *cmd, unsigned int issue_flags)
 {
 	struct fgds_file *f = cmd->file->private_data;
+	struct fgds_io_req *req;
+	struct iov_iter iter;
 	struct fgds_io arg;
+	ssize_t ret;
 
 	if (!(issue_flags & IO_URING_F_SQE128)) {
 		dev_info_ratelimited(&f->gpu->dev,
@@ -216,12 +243,33 @@ static int fgds_uring_io(struct io_uring_cmd *cmd, unsigned int issue_flags)
 				     current->comm);
 		return -EINVAL;
 	}
-	/* Synchronous: io_uring issues it again from a worker. */
+	/*
+	 * Submission may block (the file system's locks, the drive's tags):
+	 * io_uring issues it again from a worker, which is let go as soon as
+	 * the I/O is queued.
+	 */
 	if (issue_flags & IO_URING_F_NONBLOCK)
 		return -EAGAIN;
 	/* By now io_uring has copied the SQE: it cannot change under us. */
 	memcpy(&arg, fgds_uring_cmd_bytes(cmd), sizeof(arg));
-	return fgds_io(f, &arg, cmd->cmd_op == FGDS_URING_CMD_WRITE);
+	req = kmalloc(sizeof(*req), GFP_KERNEL);
+	if (!req)
+		return -ENOMEM;
+	ret = fgds_io_prepare(req, f, &arg, cmd->cmd_op == FGDS_URING_CMD_WRITE,
+			      &iter);
+	if (ret)
+		goto free;
+	req->cmd = cmd;
+	req->kiocb.ki_complete = fgds_uring_io_complete;
+	*io_uring_cmd_to_pdu(cmd, struct fgds_io_req *) = req;
+	ret = fgds_io_issue(req, &iter);
+	if (ret == -EIOCBQUEUED)
+		return -EIOCBQUEUED;
+	/* Ended at once (an error, or no I/O left to queue). */
+	fgds_io_release(req);
+free:
+	kfree(req);
+	return ret;
 }
 #else
 /* This io_uring would lose the byte count: FGDS_IOCTL_READ/WRITE instead. */

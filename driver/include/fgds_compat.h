@@ -304,6 +304,42 @@ static inline const void *fgds_uring_cmd_bytes(const struct io_uring_cmd *cmd)
 #endif
 
 /*
+ * Completing an io_uring command from its task work. 7.x hands the callback
+ * the request (io_uring_cmd_from_tw()) and no issue flags, which are then
+ * IO_URING_CMD_TASK_WORK_ISSUE_FLAGS; 6.12 hands it the command and the
+ * flags. FGDS_DEFINE_URING_TW(name, fn) defines the callback @name of the
+ * kernel's type, which calls fn(cmd, issue_flags). io_uring_cmd_done() lost
+ * its res2 argument in 7.x (io_uring_cmd_done32() has it).
+ */
+#ifdef FGDS_HAVE_IO_URING_CMD_FROM_TW
+#define FGDS_DEFINE_URING_TW(name, fn)					\
+static void name(struct io_tw_req tw_req, io_tw_token_t tw)		\
+{									\
+	fn(io_uring_cmd_from_tw(tw_req), IO_URING_CMD_TASK_WORK_ISSUE_FLAGS); \
+}
+#else
+#define FGDS_DEFINE_URING_TW(name, fn)					\
+static void name(struct io_uring_cmd *cmd, unsigned int issue_flags)	\
+{									\
+	fn(cmd, issue_flags);						\
+}
+#endif
+
+#ifdef FGDS_HAVE_IO_URING_CMD_DONE32
+static inline void fgds_uring_cmd_done(struct io_uring_cmd *cmd, long ret,
+				       unsigned int issue_flags)
+{
+	io_uring_cmd_done(cmd, ret, issue_flags);
+}
+#else
+static inline void fgds_uring_cmd_done(struct io_uring_cmd *cmd, long ret,
+				       unsigned int issue_flags)
+{
+	io_uring_cmd_done(cmd, ret, 0, issue_flags);
+}
+#endif
+
+/*
  * Whether io_uring posts a positive result that ->uring_cmd() returns. 6.1
  * does not: io_uring_cmd() hands it back to io_issue_sqe(), which takes any
  * value but 0 or an errno for "not completed", and the request never

@@ -88,6 +88,8 @@ const PROBES: &[(&str, Has)] = &[
     ("VMF_INSERT_FOLIO_PMD", Has::Since(6, 15)),
     ("P2PDMA_PROVIDER_API", Has::Since(6, 19)),
     ("DMA_BUF_INVALIDATE_MAPPINGS", Has::Since(7, 0)),
+    ("IO_URING_CMD_FROM_TW", Has::Since(7, 0)),
+    ("IO_URING_CMD_DONE32", Has::Since(7, 0)),
     ("ATTACH_OPS_INVALIDATE_MAPPINGS", Has::Since(7, 0)),
     ("GET_DEV_PAGEMAP_PFN", Has::Since(7, 0)),
     ("P2PDMA_ADD_RESOURCE_FOLIOS", Has::Patch("p2pdma-folios")),
