@@ -371,6 +371,9 @@ void fgds_cleanup_fn(struct work_struct *work);
  * @cmd: the io_uring command it serves, if any
  * @ret: the I/O's result, once ended (io_uring commands)
  * @write: from the registration to the file
+ * @pos: where in the file the I/O starts
+ * @len: bytes to move
+ * @nr: entries in @bv
  * @bv: the registration's bytes as segments: @fast, or an array of its own
  * @fast: segments of a request that needs few
  */
@@ -380,6 +383,9 @@ struct fgds_io_req {
 	struct io_uring_cmd *cmd;
 	long ret;
 	bool write;
+	loff_t pos;
+	size_t len;
+	unsigned int nr;
 	struct bio_vec *bv;
 	struct bio_vec fast[FGDS_IO_FAST_SEGS];
 };
@@ -392,7 +398,9 @@ void fgds_buf_users_put(struct fgds_buf *buf);
 void fgds_buf_users_kill(struct fgds_buf *buf);
 bool fgds_buf_users_quiet(struct fgds_buf *buf);
 int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
-		    const struct fgds_io *arg, bool write, struct iov_iter *iter);
+		    const struct fgds_io *arg, bool write, bool nowait,
+		    struct iov_iter *iter);
+void fgds_io_rewind(struct fgds_io_req *req, struct iov_iter *iter);
 ssize_t fgds_io_issue(struct fgds_io_req *req, struct iov_iter *iter);
 void fgds_io_release(struct fgds_io_req *req);
 ssize_t fgds_io(struct fgds_file *f, const struct fgds_io *arg, bool write);

@@ -177,12 +177,26 @@ static struct bio_vec *fgds_buf_range_bvecs(struct fgds_buf *buf, u64 off,
 }
 
 /**
+ * fgds_io_rewind() - set a prepared request up to be issued (again)
+ * @req: the request, from fgds_io_prepare(), not in flight
+ * @iter: set to the registration's bytes, as segments of @req
+ */
+void fgds_io_rewind(struct fgds_io_req *req, struct iov_iter *iter)
+{
+	iov_iter_bvec(iter, req->write ? ITER_SOURCE : ITER_DEST, req->bv,
+		      req->nr, req->len);
+	req->kiocb.ki_pos = req->pos;
+}
+
+/**
  * fgds_io_prepare() - check a call and take what its I/O needs
  * @req: the request to set up (its kiocb is synchronous until the caller
  *	sets ->ki_complete)
  * @f: the node's open file the call was made on
  * @arg: the call's struct fgds_io, copied from user space
  * @write: from the registration to the file (else from the file into it)
+ * @nowait: the I/O may not wait (IOCB_NOWAIT): -EAGAIN for a file that
+ *	cannot promise that
  * @iter: set to the registration's bytes, as segments of @req
  *
  * On success @req holds a reference on the registration, a live reference of
@@ -192,11 +206,11 @@ static struct bio_vec *fgds_buf_range_bvecs(struct fgds_buf *buf, u64 off,
  * Return: 0 or a negative errno (see struct fgds_io); nothing is held then.
  */
 int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
-		    const struct fgds_io *arg, bool write, struct iov_iter *iter)
+		    const struct fgds_io *arg, bool write, bool nowait,
+		    struct iov_iter *iter)
 {
 	struct fgds_buf *buf;
 	struct file *file;
-	unsigned int nr;
 	int ret;
 
 	if (arg->flags || (arg->idx & ~PAGE_MASK) || !arg->len ||
@@ -222,23 +236,28 @@ int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
 		ret = -EINVAL;
 		goto put_file;
 	}
+	ret = -EAGAIN;
+	if (nowait && !(file->f_mode & FMODE_NOWAIT))
+		goto put_file;
 	ret = fgds_buf_users_get(buf);
 	if (ret)
 		goto put_file;
 	req->bv = fgds_buf_range_bvecs(buf, arg->offset, arg->len, req->fast,
-				       ARRAY_SIZE(req->fast), &nr);
+				       ARRAY_SIZE(req->fast), &req->nr);
 	if (!req->bv) {
 		ret = -ENOMEM;
 		goto put_users;
 	}
-	iov_iter_bvec(iter, write ? ITER_SOURCE : ITER_DEST, req->bv, nr,
-		      arg->len);
 	init_sync_kiocb(&req->kiocb, file);
-	req->kiocb.ki_pos = arg->file_offset;
 	if (write)
 		req->kiocb.ki_flags |= IOCB_WRITE;
+	if (nowait)
+		req->kiocb.ki_flags |= IOCB_NOWAIT;
 	req->buf = buf;
 	req->write = write;
+	req->pos = arg->file_offset;
+	req->len = arg->len;
+	fgds_io_rewind(req, iter);
 	return 0;
 
 put_users:
@@ -300,7 +319,7 @@ ssize_t fgds_io(struct fgds_file *f, const struct fgds_io *arg, bool write)
 	struct iov_iter iter;
 	ssize_t ret;
 
-	ret = fgds_io_prepare(&req, f, arg, write, &iter);
+	ret = fgds_io_prepare(&req, f, arg, write, false, &iter);
 	if (ret)
 		return ret;
 	ret = fgds_io_issue(&req, &iter);

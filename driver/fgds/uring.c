@@ -205,14 +205,28 @@ static int fgds_uring_slot(struct io_uring_cmd *cmd, unsigned int issue_flags)
 #endif /* FGDS_HAVE_IO_BUFFER_REGISTER_KBUF */
 
 #ifdef FGDS_URING_CMD_RESULTS
-/* The I/O ended and its task work runs: the CQE, after everything is let go. */
+static void fgds_uring_io_complete(struct kiocb *kiocb, long ret);
+
+/*
+ * The I/O ended and its task work runs: the CQE, after everything is let go.
+ * An I/O that could not be queued without waiting (IOCB_NOWAIT) is issued
+ * again here, waiting.
+ */
 static void fgds_uring_io_done(struct io_uring_cmd *cmd, unsigned int issue_flags)
 {
 	struct fgds_io_req *req = *io_uring_cmd_to_pdu(cmd, struct fgds_io_req *);
+	struct iov_iter iter;
 	long ret = req->ret;
 
 	if (req->write)
 		kiocb_end_write(&req->kiocb);
+	if (ret == -EAGAIN && (req->kiocb.ki_flags & IOCB_NOWAIT)) {
+		req->kiocb.ki_flags &= ~IOCB_NOWAIT;
+		fgds_io_rewind(req, &iter);
+		ret = fgds_io_issue(req, &iter);
+		if (ret == -EIOCBQUEUED)
+			return;
+	}
 	fgds_io_release(req);
 	kfree(req);
 	fgds_uring_cmd_done(cmd, ret, issue_flags);
@@ -243,20 +257,17 @@ static int fgds_uring_io(struct io_uring_cmd *cmd, unsigned int issue_flags)
 				     current->comm);
 		return -EINVAL;
 	}
-	/*
-	 * Submission may block (the file system's locks, the drive's tags):
-	 * io_uring issues it again from a worker, which is let go as soon as
-	 * the I/O is queued.
-	 */
-	if (issue_flags & IO_URING_F_NONBLOCK)
-		return -EAGAIN;
-	/* By now io_uring has copied the SQE: it cannot change under us. */
 	memcpy(&arg, fgds_uring_cmd_bytes(cmd), sizeof(arg));
 	req = kmalloc(sizeof(*req), GFP_KERNEL);
 	if (!req)
 		return -ENOMEM;
+	/*
+	 * Not allowed to block, the I/O is queued with IOCB_NOWAIT; where it
+	 * would wait to be queued, -EAGAIN, and io_uring issues the command
+	 * again from a worker, which may wait.
+	 */
 	ret = fgds_io_prepare(req, f, &arg, cmd->cmd_op == FGDS_URING_CMD_WRITE,
-			      &iter);
+			      issue_flags & IO_URING_F_NONBLOCK, &iter);
 	if (ret)
 		goto free;
 	req->cmd = cmd;

@@ -308,6 +308,7 @@ pub const SKIPS: &[Skip] = &[
     Skip {
         cases: &[
             "fgds_io::uring_commands_many_in_flight",
+            "fgds_io::held_command_never_lands_after_revocation",
             "fgds_io::crate_transfer_takes_the_commands",
         ],
         when: &[When::SeriesBelow(6, 12)],

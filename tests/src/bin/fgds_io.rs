@@ -51,7 +51,11 @@ fn main() {
         },
         Case {
             name: "held_call_never_lands_after_revocation",
-            run: held_call_never_lands_after_revocation,
+            run: || held_never_lands_after_revocation(false),
+        },
+        Case {
+            name: "held_command_never_lands_after_revocation",
+            run: || held_never_lands_after_revocation(true),
         },
         Case {
             name: "bad_calls_fail_with_their_errno",
@@ -111,6 +115,26 @@ fn has_commands(node: &File) -> anyhow::Result<bool> {
         Some(res) if res == -libc::EINVAL => Ok(true),
         Some(res) if res == -libc::EOPNOTSUPP => Ok(false),
         res => bail!("FGDS_URING_CMD_READ of no length gave {res:?}, want EINVAL or EOPNOTSUPP"),
+    }
+}
+
+/// One `FGDS_URING_CMD_READ` (`write` false) or `WRITE` on a ring of its own; the bytes moved
+/// or the errno.
+fn command_io(node: &File, write: bool, arg: &uapi::Io) -> Result<usize, i32> {
+    let Ok(mut ring) = IoUring::<Entry128>::builder().build(2) else {
+        return Err(libc::ENOMEM);
+    };
+    // SAFETY: the command carries its argument inline; it refers to no memory.
+    if unsafe { ring.submission().push(&io_cmd(node, write, arg)) }.is_err() {
+        return Err(libc::EBUSY);
+    }
+    if let Err(err) = ring.submit_and_wait(1) {
+        return Err(err.raw_os_error().unwrap_or(libc::EIO));
+    }
+    match ring.completion().next().map(|c| c.result()) {
+        Some(res) if res >= 0 => Ok(res as usize),
+        Some(res) => Err(-res),
+        None => Err(libc::EIO),
     }
 }
 
@@ -283,13 +307,17 @@ fn uring_commands_many_in_flight() -> CaseResult {
     ktap::pass()
 }
 
-/// A read held in flight (a blkdebug breakpoint) while the exporter revokes the registration:
-/// the invalidation returns at once, a new call fails with ENODEV at once, the fence signals
-/// only after the held read ended although the revocation deadline is shorter, and nothing of
-/// it lands once the exporter reuses the memory.
-fn held_call_never_lands_after_revocation() -> CaseResult {
+/// A read held in flight (a blkdebug breakpoint), by the ioctl or (`by_command`) an io_uring
+/// command, while the exporter revokes the registration: the invalidation returns at once, a
+/// new call fails with ENODEV at once, the fence signals only after the held read ended
+/// although the revocation deadline is shorter, and nothing of it lands once the exporter
+/// reuses the memory.
+fn held_never_lands_after_revocation(by_command: bool) -> CaseResult {
     fault::require_idle()?;
     const LEN: u64 = 4 * MIB;
+    if by_command && !has_commands(&common::open_node()?)? {
+        return ktap::skip(NO_COMMANDS);
+    }
     // A deadline shorter than the hold: no timer may give the memory back.
     let _timeout = fault::RevokeTimeout::set(500)?;
     fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
@@ -302,8 +330,13 @@ fn held_call_never_lands_after_revocation() -> CaseResult {
 
     let bp = common::Breakpoint::arm(TAG)?;
     let reader = {
-        let (node, nvme) = (node.try_clone()?, nvme.try_clone()?);
-        std::thread::spawn(move || ioctl_io(&node, false, &io_arg(idx, 0, LEN, &nvme, SCRATCH)))
+        // The drive's fd stays open in this thread until the reader is joined.
+        let node = node.try_clone()?;
+        let arg = io_arg(idx, 0, LEN, &nvme, SCRATCH);
+        std::thread::spawn(move || match by_command {
+            true => command_io(&node, false, &arg),
+            false => ioctl_io(&node, false, &arg),
+        })
     };
     std::thread::sleep(Duration::from_millis(500));
     ensure!(
@@ -311,7 +344,11 @@ fn held_call_never_lands_after_revocation() -> CaseResult {
         "the read was not held by the breakpoint: {:?}",
         fault::join(reader, "read")?
     );
-    fault::host_log("fgds_io: vgpu revokes a buffer with FGDS_IOCTL_READ held")?;
+    fault::host_log(if by_command {
+        "fgds_io: vgpu revokes a buffer with FGDS_URING_CMD_READ held"
+    } else {
+        "fgds_io: vgpu revokes a buffer with FGDS_IOCTL_READ held"
+    })?;
     let started = Instant::now();
     let revoker = std::thread::spawn(move || common::revoke(bar_off));
     fault::wait_until(
@@ -327,8 +364,8 @@ fn held_call_never_lands_after_revocation() -> CaseResult {
     std::thread::sleep(HOLD.saturating_sub(started.elapsed()));
     ensure!(
         !revoker.is_finished(),
-        "the exporter's revocation returned while FGDS_IOCTL_READ was in flight: it got the \
-         memory back early ({:?})",
+        "the exporter's revocation returned while the read was in flight: it got the memory \
+         back early ({:?})",
         fault::join(revoker, "revoked")?
     );
     let resumed = started.elapsed();
