@@ -188,8 +188,8 @@ struct fgds_uring_buffer {
  * FGDS_URING_CMD_READ and FGDS_URING_CMD_WRITE are io_uring commands
  * (IORING_OP_URING_CMD on a ring set up with IORING_SETUP_SQE128, sqe->fd a
  * node's open file, sqe->cmd_op, this structure in sqe->cmd); the CQE's res
- * is the same count or a negative errno. Each runs in an io_uring worker, so
- * that a ring keeps many in flight.
+ * is the same count or a negative errno. Their I/O completes asynchronously,
+ * as a read into RAM does, so that a ring keeps many in flight.
  *
  * Errors (errno, or the CQE's res):
  *
