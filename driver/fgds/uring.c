@@ -3,11 +3,14 @@
  * fgds: the node's io_uring commands.
  *
  * FGDS_URING_CMD_READ/WRITE are FGDS_IOCTL_READ/WRITE as io_uring commands
- * (rw.c does the I/O), on every kernel whose io_uring posts their byte count
- * (not 6.1: fgds_compat.h). The I/O is synchronous, so a command
- * asked not to block is handed back with -EAGAIN and io_uring issues it
- * again from one of its workers, where it may: a ring keeps as many in flight
- * as it has workers for.
+ * (rw.c prepares and issues the I/O), on every kernel whose io_uring posts
+ * their byte count (not 6.1: fgds_compat.h). The I/O is asynchronous, as
+ * io_uring's own reads are: queued with IOCB_NOWAIT as the command is issued
+ * (-EAGAIN where it would wait, and io_uring issues the command again from a
+ * worker, which may), completed by the file system's ->ki_complete(), which
+ * hands the command to task work: there the request lets go of the
+ * registration's @users and the file, and the CQE is posted. An I/O that
+ * ended with -EAGAIN after it was queued is issued again from there, waiting.
  *
  * Where the kernel lets the owner of an io_uring kernel buffer end the access
  * itself (io_buffer_register_kbuf(), vm-images/kernel-patches/
