@@ -8,9 +8,9 @@
 //! 1. the ring's one slot (`FGDS_URING_CMD_REGISTER`, where the kernel can revoke an io_uring
 //!    kernel buffer; not upstream): reads and writes name the slot, pin nothing, and complete
 //!    asynchronously (docs/driver.md, "io_uring slots");
-//! 2. fgds's own commands (`FGDS_URING_CMD_READ`/`WRITE`, every kernel with this fgds): fgds
-//!    hands the file an iterator over the registration's pages, nothing pinned; each runs in
-//!    an io_uring worker;
+//! 2. fgds's own commands (`FGDS_URING_CMD_READ`/`WRITE`, from Linux 6.12): fgds hands the
+//!    file an iterator over the registration's pages, nothing pinned, and the I/O completes
+//!    asynchronously (docs/driver.md, "fgds's own reads and writes");
 //! 3. the mapped address: every request pins the pages it moves while it is in flight.
 //!
 //! The ring has 128-byte entries, which the commands need.

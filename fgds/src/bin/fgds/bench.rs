@@ -11,8 +11,7 @@
 //! - `direct`: into a GPU buffer registered with fgds, and nothing of it pinned: where the
 //!   kernel can revoke an io_uring kernel buffer (`vm-images/kernel-patches/io-uring-revocable-kbuf`),
 //!   the registration is each ring's fixed buffer through `FGDS_URING_CMD_REGISTER`; elsewhere
-//!   fgds moves the data itself (`FGDS_URING_CMD_READ`/`WRITE`, each request in an io_uring
-//!   worker); with `--fixed-buffers off`, requests name the mapped address and pin its pages
+//!   fgds moves the data itself (`FGDS_URING_CMD_READ`/`WRITE`: no mapping, no pin); with `--fixed-buffers off`, requests name the mapped address and pin its pages
 //!   one by one while in flight (GPU memory is never pinned long-term);
 //! - `bounce`: what a loader without GPU-direct I/O does (cuFile's compatibility mode): reads
 //!   into RAM staging like `ram`'s (pinned as a fixed buffer), then the fastest CPU copy into
