@@ -68,6 +68,7 @@ const OPS: &[&str] = &[
     "pread",
     "pwrite",
     "fgds_io",
+    "fgds_io_cmd",
     "uring_read",
     "uring_fixed_buffer",
     "slot_reg",
@@ -857,7 +858,8 @@ const WEIGHTS: &[(&str, Op, u64)] = &[
     ("madvise", op_madvise, 60),
     ("pread", |w, r| op_io(w, r, false), 90),
     ("pwrite", |w, r| op_io(w, r, true), 25),
-    ("fgds_io", op_fgds_io, 50),
+    ("fgds_io", |w, r| op_fgds_io(w, r, false), 35),
+    ("fgds_io_cmd", |w, r| op_fgds_io(w, r, true), 35),
     ("uring_read", op_uring, 60),
     ("uring_fixed_buffer", op_fixed_buffer, 8),
     ("slot_reg", op_slot_reg, 20),
@@ -1618,70 +1620,148 @@ fn judge_transfer(sh: &Shared, op: &str, n: i64, len: usize, fault_ok: bool) {
     sh.check(op, Err(e), allowed, "I/O into a mapping");
 }
 
-/// fgds's own read into (or write from) a registration, `FGDS_IOCTL_READ`/`WRITE`: no mapping,
-/// now and then past the registration's end. A revocation may end it with ENODEV, never with a
-/// short count; while the call is in flight, the revocation's fence waits for it.
-fn op_fgds_io(w: &Worker, rng: &mut Rng) {
+/// fgds's own reads into (or writes from) a registration: one `FGDS_IOCTL_READ`/`WRITE`, or
+/// (`by_command`) up to three `FGDS_URING_CMD_READ`/`WRITE` in flight at once on the thread's
+/// ring; no mapping, now and then past the registration's end. A revocation may end them with
+/// ENODEV, never with a short count; while they are in flight, its fence waits for them.
+fn op_fgds_io(w: &Worker, rng: &mut Rng, by_command: bool) {
     let sh = w.sh;
+    let op = if by_command { "fgds_io_cmd" } else { "fgds_io" };
     let Some(reg) = pick(&w.regs, rng) else {
         return;
     };
-    // Held across the call: the token names this registration, not a later one.
+    // Held across the calls: the token names this registration, not a later one.
     let gone = reg.gone.read().unwrap();
     if *gone {
         return;
     }
-    let len = (1 + rng.below(64)) * PAGE;
-    let from = rng.below((reg.len + PAGE).saturating_sub(len) / PAGE + 1) * PAGE;
-    let write = rng.chance(250);
-    let (file, file_offset) = if write {
-        let off = WRITE_AREA + rng.below((WRITE_AREA_LEN - MIB) / PAGE) * PAGE;
-        (&w.nvme_write, off)
-    } else {
-        let off = rng.below((pattern::NVME_PATTERN_BYTES - MIB) / PAGE) * PAGE;
-        (&w.nvme_read, off)
-    };
-    let arg = fgds::uapi::Io {
-        idx: reg.idx,
-        offset: from,
-        len,
-        file_offset,
-        fd: file.as_raw_fd(),
-        flags: 0,
-    };
-    let request = if write {
-        fgds::uapi::IOCTL_WRITE
-    } else {
-        fgds::uapi::IOCTL_READ
-    };
-    // SAFETY: `Io` is `struct fgds_io`, which the kernel only reads.
-    let n = unsafe { libc::ioctl(reg.node.file.as_raw_fd(), request as _, &arg) };
-    let past_end = from + len > reg.len;
-    let mut allowed = Vec::new();
-    if past_end {
-        allowed.push(Errno::INVAL);
-    }
-    if reg.buf.may_be_revoked(sh) || sh.stale(reg.node.epoch) {
-        allowed.push(Errno::NODEV);
-    }
-    let got = match n {
-        n if n == len as i32 && !past_end => Ok(()),
-        n if n >= 0 => {
-            sh.count("fgds_io", SHORT);
-            sh.fail(
-                "fgds_io",
-                format_args!("{n} of {len} bytes (at {from:#x} of {:#x})", reg.len),
-            );
-            return;
+    let count = if by_command { 1 + rng.below(3) } else { 1 };
+    let calls = (0..count)
+        .map(|_| {
+            let len = (1 + rng.below(64)) * PAGE;
+            let from = rng.below((reg.len + PAGE).saturating_sub(len) / PAGE + 1) * PAGE;
+            let write = rng.chance(250);
+            let (file, file_offset) = if write {
+                let off = WRITE_AREA + rng.below((WRITE_AREA_LEN - MIB) / PAGE) * PAGE;
+                (&w.nvme_write, off)
+            } else {
+                let off = rng.below((pattern::NVME_PATTERN_BYTES - MIB) / PAGE) * PAGE;
+                (&w.nvme_read, off)
+            };
+            let arg = fgds::uapi::Io {
+                idx: reg.idx,
+                offset: from,
+                len,
+                file_offset,
+                fd: file.as_raw_fd(),
+                flags: 0,
+            };
+            (write, arg)
+        })
+        .collect::<Vec<_>>();
+    let results = if by_command {
+        match io_commands(&reg.node.file, &calls) {
+            Some(results) => results,
+            None => {
+                sh.fail(op, format_args!("io_uring_enter failed"));
+                return;
+            }
         }
-        _ => Err(Errno::from_raw_os_error(last_errno())),
+    } else {
+        let (write, arg) = &calls[0];
+        let request = if *write {
+            fgds::uapi::IOCTL_WRITE
+        } else {
+            fgds::uapi::IOCTL_READ
+        };
+        // SAFETY: `Io` is `struct fgds_io`, which the kernel only reads.
+        let n = unsafe { libc::ioctl(reg.node.file.as_raw_fd(), request as _, arg) };
+        vec![if n < 0 { -last_errno() } else { n }]
     };
-    sh.check(
-        "fgds_io",
-        got,
-        &allowed,
-        "FGDS_IOCTL_READ/WRITE of a live token",
-    );
+    for ((_, arg), res) in calls.iter().zip(results) {
+        let past_end = arg.offset + arg.len > reg.len;
+        let mut allowed = Vec::new();
+        if past_end {
+            allowed.push(Errno::INVAL);
+        }
+        if reg.buf.may_be_revoked(sh) || sh.stale(reg.node.epoch) {
+            allowed.push(Errno::NODEV);
+        }
+        if by_command && !*COMMANDS.get_or_init(|| io_commands_supported(&reg.node.file)) {
+            allowed = vec![Errno::OPNOTSUPP];
+        }
+        let got = match res {
+            n if n == arg.len as i32 && !past_end => Ok(()),
+            n if n >= 0 => {
+                sh.count(op, SHORT);
+                sh.fail(
+                    op,
+                    format_args!(
+                        "{n} of {} bytes (at {:#x} of {:#x})",
+                        arg.len, arg.offset, reg.len
+                    ),
+                );
+                continue;
+            }
+            n => Err(Errno::from_raw_os_error(-n)),
+        };
+        sh.check(op, got, &allowed, "fgds's read or write of a live token");
+    }
+}
+
+/// Whether fgds takes `FGDS_URING_CMD_READ` on this kernel (from 6.12): one of no length gives
+/// EINVAL if so.
+static COMMANDS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+fn io_commands_supported(node: &File) -> bool {
+    let probe = [(false, fgds::uapi::Io::default())];
+    io_commands(node, &probe).is_some_and(|res| res[0] == -libc::EINVAL)
+}
+
+thread_local! {
+    /// Each thread's ring of 128-byte entries for fgds's commands.
+    static CMD_RING: std::cell::RefCell<Option<io_uring::IoUring<io_uring::squeue::Entry128>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Issues `calls` as `FGDS_URING_CMD_READ`/`WRITE` at once on the thread's ring and waits for
+/// all; their results in order, or `None` where io_uring itself failed.
+fn io_commands(node: &File, calls: &[(bool, fgds::uapi::Io)]) -> Option<Vec<i32>> {
+    CMD_RING.with_borrow_mut(|ring| {
+        if ring.is_none() {
+            *ring = io_uring::IoUring::<io_uring::squeue::Entry128>::builder()
+                .build(4)
+                .ok();
+        }
+        let ring = ring.as_mut()?;
+        for (i, (write, arg)) in calls.iter().enumerate() {
+            let op = if *write {
+                fgds::uapi::URING_CMD_WRITE
+            } else {
+                fgds::uapi::URING_CMD_READ
+            };
+            let sqe = io_uring::opcode::UringCmd80::new(io_uring::types::Fd(node.as_raw_fd()), op)
+                .cmd(arg.to_cmd())
+                .build()
+                .user_data(i as u64);
+            // SAFETY: the command carries its argument inline; it refers to no memory of ours.
+            unsafe { ring.submission().push(&sqe) }.ok()?;
+        }
+        let mut results = vec![0; calls.len()];
+        let mut left = calls.len();
+        while left > 0 {
+            match ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(_) => return None,
+            }
+            for cqe in ring.completion() {
+                results[cqe.user_data() as usize] = cqe.result();
+                left -= 1;
+            }
+        }
+        Some(results)
+    })
 }
 
 thread_local! {
