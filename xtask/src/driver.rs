@@ -489,7 +489,7 @@ mod tests {
         assert_eq!(wrong.len(), 2, "{wrong:?}");
         assert!(wrong[0].contains("P2PDMA_ADD_RESOURCE_FOLIOS is set, expected unset (with the"));
         let wrong = probe_mismatches(&all, (6, 12), &[]);
-        assert_eq!(wrong.len(), 8, "{wrong:?}");
+        assert_eq!(wrong.len(), 10, "{wrong:?}");
         assert!(wrong[0].starts_with("FGDS_HAVE_MODULE_IMPORT_NS_STRING is set, expected unset"));
         let none = "/* FGDS_HAVE_VM_FLAGS_SET: no */\n";
         assert_eq!(probe_mismatches(none, (6, 1), &[]), Vec::<String>::new());
