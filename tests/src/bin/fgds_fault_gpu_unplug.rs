@@ -3,7 +3,8 @@
 //! through the crate's io_uring `Transfer`) run into it; then the GPU is plugged back.
 //!
 //! (a) The reads end within a bounded time, never hang, pread(2) with EFAULT (io_uring with
-//! EFAULT, or EIO from the block layer's multi-bio path); the mapping raises SIGBUS;
+//! ENODEV through fgds's commands, or through the mapping EFAULT, or EIO from the block layer's
+//! multi-bio path); the mapping raises SIGBUS;
 //! the node is gone; REG_BUFFER and mmap on the still-open fd fail with ENODEV (documented);
 //! once the last fd is closed fgds unloads cleanly (and loads again). The host checks, once the
 //! GPU is back (asked over the control channel), that the GPU memory under the buffer holds the
@@ -209,14 +210,16 @@ fn gpu_unplug_during_large_reads() -> CaseResult {
         );
         for (who, ok, err) in &ended {
             ensure!(*ok > 0, "the {who} reader never completed a read");
-            // pread(2) gets GUP's EFAULT (the mapping was zapped; the fault handler refuses). An
-            // io_uring read of more than 256 pages takes the block layer's multi-bio path
+            // pread(2) gets GUP's EFAULT (the mapping was zapped; the fault handler refuses). The
+            // crate's io_uring reader takes fgds's commands where the kernel has them, which
+            // refuse the revoked registration with ENODEV; through the mapping, an io_uring
+            // read of more than 256 pages takes the block layer's multi-bio path
             // (__blkdev_direct_IO), which ends a bio whose pages it cannot get with
             // BLK_STS_IOERR: the completion then says EIO for the same refusal.
             let want: &[Errno] = if *who == "pread" {
                 &[Errno::FAULT]
             } else {
-                &[Errno::FAULT, Errno::IO]
+                &[Errno::NODEV, Errno::FAULT, Errno::IO]
             };
             ensure!(
                 err.is_some_and(|e| want.contains(&e)),
