@@ -20,7 +20,9 @@
  *  - removes every user mapping of the buffer (in every process, including
  *    children after fork); a later CPU access to the mapped range raises
  *    SIGBUS, and a later read()/write()/io_uring request on it fails with
- *    EFAULT (the kernel cannot pin the pages any more);
+ *    EFAULT (the kernel cannot pin the pages any more); a later
+ *    FGDS_IOCTL_READ/WRITE or FGDS_URING_CMD_READ/WRITE of the token fails
+ *    with ENODEV;
  *  - if I/O already in flight still references the buffer's pages, adds a
  *    fence to the dma-buf's reservation object that signals once it has
  *    ended: the exporter gets the memory back only then, however long that
