@@ -190,42 +190,19 @@ impl Buffer {
         } else {
             "FGDS_IOCTL_READ"
         };
-        let len = range.len();
-        let mut done = 0;
-        while done < len {
+        let request = if write {
+            uapi::IOCTL_WRITE
+        } else {
+            uapi::IOCTL_READ
+        };
+        until_done(op, range.len(), |done, left| {
             // At most MAX_RW_COUNT per call (on 4 KiB pages), a multiple of any alignment.
-            let n = (len - done).min(0x7fff_f000);
+            let n = left.min(0x7fff_f000);
             let arg = self.io_arg(file, range.start + done, n, file_offset + done as u64);
-            let request = if write {
-                uapi::IOCTL_WRITE
-            } else {
-                uapi::IOCTL_READ
-            };
             // SAFETY: `Io` is `struct fgds_io`, which the kernel only reads; the call returns
             // a byte count or -1 with errno.
-            let res = unsafe { libc::ioctl(self.node.as_raw_fd(), request as _, &arg) };
-            if res < 0 {
-                let source = std::io::Error::last_os_error();
-                if source.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(Error::Io {
-                    op,
-                    done: done as u64,
-                    len: len as u64,
-                    source,
-                });
-            }
-            if res == 0 {
-                return Err(Error::ShortTransfer {
-                    op,
-                    done: done as u64,
-                    len: len as u64,
-                });
-            }
-            done += res as usize;
-        }
-        Ok(done)
+            Ok(unsafe { libc::ioctl(self.node.as_raw_fd(), request as _, &arg) } as isize)
+        })
     }
 
     fn sync_io(
@@ -237,38 +214,51 @@ impl Buffer {
         call: impl Fn(i32, *mut u8, usize, i64) -> isize,
     ) -> Result<usize> {
         check_direct_io(file, file_offset, &range, self.len)?;
-        let len = range.len();
-        let mut done = 0;
-        while done < len {
+        until_done(op, range.len(), |done, left| {
             let off = i64::try_from(file_offset + done as u64).map_err(|_| {
                 Error::Invalid(format!("file offset {file_offset:#x} is too large"))
             })?;
-            // SAFETY: `range` is inside the mapping (checked above) and `done < len`.
+            // SAFETY: `range` is inside the mapping (checked above), and
+            // `done + left` is its length.
             let ptr = unsafe { self.as_ptr().add(range.start + done) };
-            let n = call(file.as_raw_fd(), ptr, len - done, off);
-            if n < 0 {
-                let source = std::io::Error::last_os_error();
-                if source.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(Error::Io {
-                    op,
-                    done: done as u64,
-                    len: len as u64,
-                    source,
-                });
-            }
-            if n == 0 {
-                return Err(Error::ShortTransfer {
-                    op,
-                    done: done as u64,
-                    len: len as u64,
-                });
-            }
-            done += n as usize;
-        }
-        Ok(done)
+            Ok(call(file.as_raw_fd(), ptr, left, off))
+        })
     }
+}
+
+/// Calls `step(done, left)`, a system call that moves up to `left` bytes and returns the
+/// count or -1 with errno, until `len` bytes are done: an interrupted call is made again, an
+/// error or a call that moves nothing ends it, with the bytes done so far.
+fn until_done(
+    op: &'static str,
+    len: usize,
+    mut step: impl FnMut(usize, usize) -> Result<isize>,
+) -> Result<usize> {
+    let mut done = 0;
+    while done < len {
+        let n = step(done, len - done)?;
+        if n < 0 {
+            let source = std::io::Error::last_os_error();
+            if source.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::Io {
+                op,
+                done: done as u64,
+                len: len as u64,
+                source,
+            });
+        }
+        if n == 0 {
+            return Err(Error::ShortTransfer {
+                op,
+                done: done as u64,
+                len: len as u64,
+            });
+        }
+        done += n as usize;
+    }
+    Ok(done)
 }
 
 impl Buffer {
