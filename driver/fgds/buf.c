@@ -58,27 +58,45 @@
 /* Places of buffers in fgds_mapping (see fgds_buf_vm_pgoff()). */
 static DEFINE_IDA(fgds_vm_ida);
 
-static struct page *fgds_buf_page(struct fgds_buf *buf, pgoff_t pgoff,
-				  pgoff_t *run)
+/**
+ * fgds_buf_extent() - the run of a registration that holds one of its pages
+ * @buf: the registration
+ * @pgoff: the page, counted from the registration's start
+ *
+ * The extents are sorted by @pgoff and cover the registration without gaps,
+ * so a bisection finds the one: a request's cost does not grow with the
+ * number of runs the exporter's memory came in.
+ *
+ * Return: the extent, or NULL for a @pgoff past the registration's end.
+ */
+const struct fgds_extent *fgds_buf_extent(const struct fgds_buf *buf,
+					  pgoff_t pgoff)
 {
 	unsigned int lo = 0, hi = buf->nr_ext;
-	const struct fgds_extent *e;
 
 	while (lo < hi) {
 		unsigned int mid = lo + (hi - lo) / 2;
+		const struct fgds_extent *e = &buf->ext[mid];
 
-		e = &buf->ext[mid];
-		if (pgoff < e->pgoff) {
+		if (pgoff < e->pgoff)
 			hi = mid;
-		} else if (pgoff >= e->pgoff + e->npages) {
+		else if (pgoff >= e->pgoff + e->npages)
 			lo = mid + 1;
-		} else {
-			*run = e->pgoff + e->npages - pgoff;
-			return fgds_gpu_page(buf->gpu,
-					     e->bar_pg + pgoff - e->pgoff);
-		}
+		else
+			return e;
 	}
 	return NULL;
+}
+
+static struct page *fgds_buf_page(struct fgds_buf *buf, pgoff_t pgoff,
+				  pgoff_t *run)
+{
+	const struct fgds_extent *e = fgds_buf_extent(buf, pgoff);
+
+	if (!e)
+		return NULL;
+	*run = e->pgoff + e->npages - pgoff;
+	return fgds_gpu_page(buf->gpu, e->bar_pg + pgoff - e->pgoff);
 }
 
 static void fgds_invalidate(struct dma_buf_attachment *attach)

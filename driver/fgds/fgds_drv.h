@@ -410,6 +410,8 @@ long fgds_ioctl_io(struct fgds_file *f, void __user *uarg, bool write);
 int fgds_uring_cmd(struct io_uring_cmd *cmd, unsigned int issue_flags);
 
 /* buf.c */
+const struct fgds_extent *fgds_buf_extent(const struct fgds_buf *buf,
+					  pgoff_t pgoff);
 struct fgds_buf *fgds_file_buf_get(struct fgds_file *f, unsigned long id);
 void fgds_buf_put(struct fgds_buf *buf);
 void fgds_buf_free(struct fgds_buf *buf);

@@ -934,11 +934,10 @@ bool fgds_buf_quiet(struct fgds_buf *buf, pgoff_t *cursor)
  */
 pgoff_t fgds_buf_bar_pg(const struct fgds_buf *buf, pgoff_t pgoff)
 {
-	unsigned int e;
+	const struct fgds_extent *e = fgds_buf_extent(buf, pgoff);
 
-	for (e = 0; e < buf->nr_ext; e++)
-		if (pgoff < buf->ext[e].pgoff + buf->ext[e].npages)
-			return buf->ext[e].bar_pg + pgoff - buf->ext[e].pgoff;
+	if (e)
+		return e->bar_pg + pgoff - e->pgoff;
 	return buf->nr_ext ? buf->ext[0].bar_pg : 0;
 }
 

@@ -28,6 +28,7 @@
  */
 
 #include <linux/bvec.h>
+#include <linux/err.h>
 #include <linux/file.h>
 #include <linux/fs.h>
 #include <linux/percpu-refcount.h>
@@ -137,33 +138,30 @@ bool fgds_buf_users_quiet(struct fgds_buf *buf)
 /*
  * Bytes [@off, @off + @len) of the registration as bvec segments, one per run
  * contiguous in the BAR, into @bv (@max entries) or, if more are needed, a
- * new array. @users held: the provider and its pages exist.
+ * new array. The first and last runs are found by bisection. @users held: the
+ * provider and its pages exist; the range lies inside the registration.
  */
 static struct bio_vec *fgds_buf_range_bvecs(struct fgds_buf *buf, u64 off,
 					    u64 len, struct bio_vec *bv,
 					    unsigned int max, unsigned int *nr)
 {
-	const struct fgds_extent *e, *end = buf->ext + buf->nr_ext;
-	pgoff_t first = off >> PAGE_SHIFT, last = (off + len - 1) >> PAGE_SHIFT;
-	unsigned int n = 0, i = 0;
+	const struct fgds_extent *e = fgds_buf_extent(buf, off >> PAGE_SHIFT);
+	const struct fgds_extent *last =
+		fgds_buf_extent(buf, (off + len - 1) >> PAGE_SHIFT);
+	unsigned int n, i = 0;
 
-	for (e = buf->ext; e < end; e++)
-		if (e->pgoff <= last && e->pgoff + e->npages > first)
-			n++;
+	if (WARN_ON_ONCE(!e || !last))
+		return ERR_PTR(-EINVAL);
+	n = last - e + 1;
 	if (n > max) {
 		bv = kvmalloc_array(n, sizeof(*bv), GFP_KERNEL);
 		if (!bv)
-			return NULL;
+			return ERR_PTR(-ENOMEM);
 	}
-	for (e = buf->ext; e < end && len; e++) {
-		u64 start = (u64)e->pgoff << PAGE_SHIFT;
-		u64 ext_end = start + ((u64)e->npages << PAGE_SHIFT);
-		u64 at, seg;
+	for (; e <= last; e++) {
+		u64 at = off - ((u64)e->pgoff << PAGE_SHIFT);
+		u64 seg = min(len, ((u64)e->npages << PAGE_SHIFT) - at);
 
-		if (off >= ext_end)
-			continue;
-		at = off - start;
-		seg = min(len, ext_end - off);
 		/* @len is at most MAX_RW_COUNT: a segment fits bv_len. */
 		bvec_set_page(&bv[i++],
 			      fgds_gpu_page(buf->gpu,
@@ -244,8 +242,8 @@ int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
 		goto put_file;
 	req->bv = fgds_buf_range_bvecs(buf, arg->offset, arg->len, req->fast,
 				       ARRAY_SIZE(req->fast), &req->nr);
-	if (!req->bv) {
-		ret = -ENOMEM;
+	if (IS_ERR(req->bv)) {
+		ret = PTR_ERR(req->bv);
 		goto put_users;
 	}
 	init_sync_kiocb(&req->kiocb, file);

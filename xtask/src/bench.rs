@@ -30,7 +30,8 @@ pub struct Options {
     #[arg(long)]
     pub quick: bool,
     /// Profile instead of measuring: sample the guest's CPU while `ram` and `direct` read 1 GiB
-    /// (1 MiB qd 1, 4 MiB qd 1, 4 MiB qd 32, 64 KiB qd 32) and write where each spends it to
+    /// (1 MiB qd 1, 4 MiB qd 1, 4 MiB qd 32, 64 KiB qd 32), then small blocks at depth 1 (4 KiB
+    /// reads, 64 KiB reads and writes, less data) and write where each spends it to
     /// `target/bench/profile-<kernel>.txt`.
     #[arg(long, conflicts_with = "quick")]
     pub profile: bool,
@@ -46,6 +47,10 @@ pub struct Options {
     /// (off: every request pins its pages, the crate's default path).
     #[arg(long, default_value = "auto", value_parser = ["auto", "off"])]
     pub fixed_buffers: String,
+    /// Extra guest kernel parameters, for experiments on the guest itself (for example
+    /// `idle=poll`); the results say they were used (`target/bench/<kernel>.md`).
+    #[arg(long, default_value = "")]
+    pub append: String,
 }
 
 pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
@@ -63,7 +68,15 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
     let mut outcomes = run.outcomes;
     let out_dir = crate::project_root().join("target/bench");
     std::fs::create_dir_all(&out_dir)?;
-    let label = run.spec.replace(':', "-");
+    let mut label = run.spec.replace(':', "-");
+    // An experiment's results go beside the defaults', not over them.
+    if !opts.append.trim().is_empty() {
+        label += &format!(
+            "+{}",
+            opts.append.split_whitespace().collect::<Vec<_>>().join("+")
+        )
+        .replace(['/', ':'], "_");
+    }
     if opts.profile {
         if profiles.is_empty() {
             crate::report::print(outcomes);
@@ -165,7 +178,7 @@ fn boot(opts: &Options, vgpu_mode: &str, set: &str) -> anyhow::Result<vm::Kernel
         vgpu_mode: vgpu_mode.to_owned(),
         fgds_pages: opts.fgds_pages.clone(),
         append: format!(
-            "fgds.bench={} fgds.bench_set={set} fgds.fixed_buffers={}",
+            "fgds.bench={} fgds.bench_set={set} fgds.fixed_buffers={} {}",
             if opts.quick {
                 "quick"
             } else if opts.profile {
@@ -173,7 +186,8 @@ fn boot(opts: &Options, vgpu_mode: &str, set: &str) -> anyhow::Result<vm::Kernel
             } else {
                 "full"
             },
-            opts.fixed_buffers
+            opts.fixed_buffers,
+            opts.append
         ),
         gpu_bytes: GPU_BYTES,
         programs: vec![(PROGRAM.to_owned(), timeout)],
@@ -274,9 +288,10 @@ fn write_profiles(profiles: &[Value], out_dir: &Path, label: &str) -> anyhow::Re
     };
     let mut report = String::new();
     let mut summary = String::new();
-    let mut workloads = BTreeMap::<(u64, u64), BTreeMap<String, &Value>>::new();
+    let mut workloads = BTreeMap::<(String, u64, u64), BTreeMap<String, &Value>>::new();
     for p in profiles {
         let key = (
+            p["op"].as_str().unwrap_or("read").to_owned(),
             p["block_size"].as_u64().unwrap_or(0),
             p["queue_depth"].as_u64().unwrap_or(0),
         );
@@ -285,9 +300,9 @@ fn write_profiles(profiles: &[Value], out_dir: &Path, label: &str) -> anyhow::Re
             .or_default()
             .insert(p["mode"].as_str().unwrap_or("").to_owned(), p);
     }
-    for ((bs, qd), modes) in &workloads {
-        let title = format!("read {} qd {}", human(*bs), qd);
-        writeln!(report, "== {title}: guest CPU ms per GiB read ==")?;
+    for ((op, bs, qd), modes) in &workloads {
+        let title = format!("{op} {} qd {}", human(*bs), qd);
+        writeln!(report, "== {title}: guest CPU ms per GiB moved ==")?;
         for (mode, p) in modes {
             writeln!(
                 report,

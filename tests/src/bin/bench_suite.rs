@@ -268,29 +268,35 @@ fn profile() -> CaseResult {
     let nvme = fgds_tests::guest::nvme_path()?
         .to_string_lossy()
         .into_owned();
-    // `fgds bench` moves TOTAL twice: its warm-up repetition, then the measured one.
-    let gib = 2.0 * TOTAL as f64 / (1u64 << 30) as f64;
-    let per_gib = |n: u64| n as f64 * profile::SAMPLE_MS / gib;
-    let top = |v: Vec<(String, u64)>, n: usize| {
-        v.into_iter()
-            .take(n)
-            .map(|(f, c)| serde_json::json!([f, per_gib(c)]))
-            .collect::<Vec<_>>()
-    };
-    for (bs, qd) in [
-        (1u64 << 20, 1u64),
-        (4 << 20, 1),
-        (4 << 20, 32),
-        (64 << 10, 32),
-    ] {
+    // Per workload: op, block size, queue depth, bytes. Small blocks move less, so that a
+    // workload takes seconds, not minutes, at depth 1 under TCG.
+    let workloads = [
+        ("read", 1u64 << 20, 1u64, TOTAL),
+        ("read", 4 << 20, 1, TOTAL),
+        ("read", 4 << 20, 32, TOTAL),
+        ("read", 64 << 10, 32, TOTAL),
+        ("read", 4 << 10, 1, 64 << 20),
+        ("read", 64 << 10, 1, 256 << 20),
+        ("write", 64 << 10, 1, 256 << 20),
+    ];
+    for (op, bs, qd, total) in workloads {
+        // `fgds bench` moves `total` twice: its warm-up repetition, then the measured one.
+        let gib = 2.0 * total as f64 / (1u64 << 30) as f64;
+        let per_gib = |n: u64| n as f64 * profile::SAMPLE_MS / gib;
+        let top = |v: Vec<(String, u64)>, n: usize| {
+            v.into_iter()
+                .take(n)
+                .map(|(f, c)| serde_json::json!([f, per_gib(c)]))
+                .collect::<Vec<_>>()
+        };
         for mode in ["ram", "direct"] {
             let (rows, prof) = profile::profile(|| {
                 fgds_bench(
                     &nvme,
-                    "read",
+                    op,
                     bs,
                     qd,
-                    Amount::Bytes(TOTAL),
+                    Amount::Bytes(total),
                     0,
                     64 << 20,
                     "1",
@@ -300,10 +306,10 @@ fn profile() -> CaseResult {
             let row = serde_json::json!({
                 "kind": "profile",
                 "mode": mode,
-                "op": "read",
+                "op": op,
                 "block_size": bs,
                 "queue_depth": qd,
-                "total_bytes": 2 * TOTAL,
+                "total_bytes": 2 * total,
                 "mib_s": rows.first().map(|r| r["mib_s"].clone()),
                 "busy_ms_per_gib": per_gib(prof.busy()),
                 "user_ms_per_gib": per_gib(prof.user),
