@@ -30,7 +30,7 @@ pub struct Options {
     #[arg(long)]
     pub quick: bool,
     /// Profile instead of measuring: sample the guest's CPU while `ram` and `direct` read 1 GiB
-    /// (1 MiB qd 1, 4 MiB qd 1, 4 MiB qd 32, 64 KiB qd 32), then small blocks at depth 1 (4 KiB
+    /// (1 MiB qd 1, 4 MiB qd 1, 4 and 16 MiB qd 32, 64 KiB qd 32), then small blocks at depth 1 (4 KiB
     /// reads, 64 KiB reads and writes, less data) and write where each spends it to
     /// `target/bench/profile-<kernel>.txt`.
     #[arg(long, conflicts_with = "quick")]

@@ -274,6 +274,7 @@ fn profile() -> CaseResult {
         ("read", 1u64 << 20, 1u64, TOTAL),
         ("read", 4 << 20, 1, TOTAL),
         ("read", 4 << 20, 32, TOTAL),
+        ("read", 16 << 20, 32, TOTAL),
         ("read", 64 << 10, 32, TOTAL),
         ("read", 4 << 10, 1, 64 << 20),
         ("read", 64 << 10, 1, 256 << 20),
