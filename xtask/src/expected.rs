@@ -298,6 +298,13 @@ pub const SKIPS: &[Skip] = &[
         why: "the exporter's P2PDMA pages are order-0 folios: fgds maps them with PTEs only",
     },
     Skip {
+        cases: &["fgds_io::two_runs_both_directions"],
+        when: &[When::Mode(&[Mode::ExporterP2pdma])],
+        reason: "vgpu in mode p2pdma has no buffers of two runs",
+        why: "vgpu makes a buffer of two runs of BAR2 (VGPU_ALLOC_SKEW) only from its own pool \
+              (mode=plain); in p2pdma mode its buffers come from the P2PDMA pool, one run each",
+    },
+    Skip {
         cases: &["fgds_uring::*"],
         when: &[When::Unpatched("io-uring-revocable-kbuf")],
         reason: "EOPNOTSUPP: this kernel cannot revoke io_uring kernel buffers",

@@ -1,6 +1,7 @@
 //! fgds's own reads and writes (`FGDS_IOCTL_READ`/`WRITE`, `FGDS_URING_CMD_READ`/`WRITE`), on
 //! every kernel: data moves between a file and a registration with no mapping and no pin, on
-//! the raw drive and on an ext4 file, many commands in flight on one ring; a revocation waits
+//! the raw drive and on an ext4 file, across the runs of a registration that is not one run of
+//! BAR2, many commands in flight on one ring; a revocation waits
 //! for a call held in flight and for no timer, makes new calls fail with ENODEV at once, and
 //! nothing of the held call lands once the exporter reuses the memory; bad calls fail with
 //! the errno the header documents; the crate's `Transfer` uses the commands where there is no
@@ -46,6 +47,10 @@ fn main() {
             run: ext4_file_both_directions,
         },
         Case {
+            name: "two_runs_both_directions",
+            run: two_runs_both_directions,
+        },
+        Case {
             name: "uring_commands_many_in_flight",
             run: uring_commands_many_in_flight,
         },
@@ -79,6 +84,9 @@ fn io_arg(idx: u64, offset: u64, len: u64, file: &File, file_offset: u64) -> uap
         flags: 0,
     }
 }
+
+/// A way to make one call: [`ioctl_io`] or [`command_io`].
+type IoFn = fn(&File, bool, &uapi::Io) -> Result<usize, i32>;
 
 /// One `FGDS_IOCTL_READ` (`write` false) or `FGDS_IOCTL_WRITE`; the bytes moved or the errno.
 fn ioctl_io(node: &File, write: bool, arg: &uapi::Io) -> Result<usize, i32> {
@@ -241,6 +249,88 @@ fn ext4_file_both_directions() -> CaseResult {
         .context("GPU memory after the read across the file's end")?;
     drop((file, node, dmabuf));
     std::fs::remove_file(&path)?;
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// A registration of two runs of BAR2 (vgpu's skewed buffer: the first 2 MiB at BAR offset
+/// +4 KiB, the rest from +4 MiB), as a real GPU's memory comes in several: a read and a write
+/// across the runs' boundary, by ioctl and, where fgds has them, by io_uring command, each
+/// byte at its own place in each run and nothing between the runs touched.
+fn two_runs_both_directions() -> CaseResult {
+    fault::require_idle()?;
+    const LEN: u64 = 8 * MIB;
+    // Bytes [AT, AT + SPAN) of the buffer: 1 MiB in the first run, 3 MiB in the second.
+    const AT: u64 = MIB;
+    const SPAN: u64 = 4 * MIB;
+    let mode = std::fs::read_to_string(fault::vgpu_sysfs("mode")?)?;
+    if mode.trim() != "plain" {
+        return ktap::skip(format!(
+            "vgpu in mode {} has no buffers of two runs (VGPU_ALLOC_SKEW needs mode=plain)",
+            mode.trim()
+        ));
+    }
+    fault::write_nvme_pattern(SEED_READ, SPAN as usize, SCRATCH)?;
+    let node = common::open_node()?;
+    let commands = has_commands(&node)?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = fgds::vgpu::alloc_with(&vgpu, LEN, fgds::vgpu::ALLOC_SKEW)?;
+    // vgpu took [bar_off, bar_off + LEN + 2 MiB); the buffer's byte x lies at BAR offset
+    // bar_off + 4 KiB + x in the first run, bar_off + 2 MiB + x in the second.
+    let bar = |x: u64| {
+        if x < 2 * MIB {
+            bar_off + PAGE + x
+        } else {
+            bar_off + 2 * MIB + x
+        }
+    };
+    let nvme = common::nvme(true)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    let ways: &[(&str, IoFn)] = if commands {
+        &[("ioctl", ioctl_io), ("command", command_io)]
+    } else {
+        &[("ioctl", ioctl_io)]
+    };
+    for &(how, io) in ways {
+        fault::vgpu_fill(bar_off, LEN + 2 * MIB, SEED_SENTINEL)?;
+        let n = io(&node, false, &io_arg(idx, AT, SPAN, &nvme, SCRATCH))
+            .map_err(std::io::Error::from_raw_os_error)
+            .with_context(|| format!("read across the runs by {how}"))?;
+        ensure!(
+            n == SPAN as usize,
+            "{how}: the read moved {n} of {SPAN} bytes"
+        );
+        ctl::gpu_check_at(bar(AT), 2 * MIB - AT, SEED_READ, 0)
+            .with_context(|| format!("{how}: the first run after the read"))?;
+        ctl::gpu_check_at(bar(2 * MIB), AT + SPAN - 2 * MIB, SEED_READ, 2 * MIB - AT)
+            .with_context(|| format!("{how}: the second run after the read"))?;
+        for (from, to, what) in [
+            (bar_off, bar(AT), "before the read's range"),
+            (bar(2 * MIB - 1) + 1, bar(2 * MIB), "between the runs"),
+            (
+                bar(AT + SPAN),
+                bar_off + LEN + 2 * MIB,
+                "after the read's range",
+            ),
+        ] {
+            ctl::gpu_check_at(from, to - from, SEED_SENTINEL, from - bar_off)
+                .with_context(|| format!("{how}: BAR2 {what}, which the read must not touch"))?;
+        }
+        let n = io(&node, true, &io_arg(idx, AT, SPAN, &nvme, SCRATCH + SPAN))
+            .map_err(std::io::Error::from_raw_os_error)
+            .with_context(|| format!("write across the runs by {how}"))?;
+        ensure!(
+            n == SPAN as usize,
+            "{how}: the write moved {n} of {SPAN} bytes"
+        );
+        let mut back = AlignedBuf::new(SPAN as usize)?;
+        nvme.read_exact_at(back.as_mut_slice(), SCRATCH + SPAN)?;
+        if let Some(at) = pattern::first_mismatch(SEED_READ, 0, back.as_slice()) {
+            bail!("{how}: the drive's byte {at:#x} is not the registration's after the write");
+        }
+    }
+    common::unreg(&node, idx)?;
+    drop((node, dmabuf));
     fault::wait_counters_zero("after the case")?;
     ktap::pass()
 }
