@@ -30,8 +30,8 @@ pub struct Options {
     #[arg(long)]
     pub quick: bool,
     /// Profile instead of measuring: sample the guest's CPU while `ram` and `direct` read 1 GiB
-    /// (1 MiB qd 1, 4 MiB qd 1, 4 and 16 MiB qd 32, 64 KiB qd 32), then small blocks at depth 1 (4 KiB
-    /// reads, 64 KiB reads and writes, less data) and write where each spends it to
+    /// (1 MiB qd 1, 4 MiB qd 1, 4 and 16 MiB qd 32, 64 KiB qd 32), then small blocks at depth 1
+    /// (4 KiB reads, 64 KiB reads and writes, less data), and write where each spends it to
     /// `target/bench/profile-<kernel>.txt`.
     #[arg(long, conflicts_with = "quick")]
     pub profile: bool,
@@ -48,7 +48,7 @@ pub struct Options {
     #[arg(long, default_value = "auto", value_parser = ["auto", "off"])]
     pub fixed_buffers: String,
     /// Extra guest kernel parameters, for experiments on the guest itself (for example
-    /// `idle=poll`); the results say they were used (`target/bench/<kernel>.md`).
+    /// `idle=poll`); the results go beside the defaults', to `target/bench/<kernel>+ARGS.*`.
     #[arg(long, default_value = "")]
     pub append: String,
 }
