@@ -505,6 +505,7 @@ fn print_targets(rows: &[Value]) {
     for wanted in ["read", "write"] {
         let mut speed = Vec::new();
         let mut over_bounce = Vec::new();
+        let mut over_serial = Vec::new();
         let mut over_p2pmem = Vec::new();
         let mut cpu = Vec::new();
         for ((op, qd, bs), modes) in grid(rows, P2PMEM_SET) {
@@ -548,6 +549,12 @@ fn print_targets(rows: &[Value]) {
                 };
                 over_bounce.push((r, format!("{at}{won}{median}")));
             }
+            if let Some(r) = paired(&modes, "direct", "bounce-serial") {
+                let won = turns_where(&modes, "bounce-serial", "turn_mib_s", |d, b| d > b)
+                    .map(|won| format!(", won {won} turns"))
+                    .unwrap_or_default();
+                over_serial.push((r, format!("{at}{won}")));
+            }
             if let Some(r) = paired_cpu(&modes, "direct", "ram")
                 && bs >= 1 << 20
             {
@@ -572,6 +579,15 @@ fn print_targets(rows: &[Value]) {
         };
         line("direct/ram", speed, true, "target >= 0.95");
         line("direct/bounce", over_bounce, true, "target > 1");
+        // Only where an experiment asked for it (`--append fgds.bench_modes=...`).
+        if !over_serial.is_empty() {
+            line(
+                "direct/bounce-serial",
+                over_serial,
+                true,
+                "bounce without its spare slot; no target",
+            );
+        }
         line("direct/p2pmem", over_p2pmem, true, "target >= 1");
         let measured = rows.iter().filter(|r| r["mib_s"].is_number());
         let by = if measured.clone().all(|r| r["cpu_clock"] == "schedstat-ns") {

@@ -5,7 +5,9 @@
 //! Each result goes out as a KTAP diagnostic, `# fgds-bench: <json>`, for the host to collect.
 //! `FGDS_BENCH=quick` (kernel parameter `fgds.bench=quick`) runs a small grid;
 //! `FGDS_FIXED_BUFFERS` (`fgds.fixed_buffers`, default `auto`) is passed to `fgds bench
-//! --fixed-buffers`.
+//! --fixed-buffers`. For experiments (`cargo xtask bench --append`), `fgds.bench_sizes`,
+//! `fgds.bench_depths` and `fgds.bench_modes` (comma lists: bytes, depths, `fgds bench` modes)
+//! replace the grid's.
 
 use std::os::fd::AsFd;
 use std::process::Command;
@@ -156,6 +158,9 @@ fn grid() -> CaseResult {
             1.0,
         )
     };
+    let sizes = list_override("FGDS_BENCH_SIZES")?.unwrap_or_else(|| sizes.to_vec());
+    let depths = list_override("FGDS_BENCH_DEPTHS")?.unwrap_or_else(|| depths.to_vec());
+    let modes_override = std::env::var("FGDS_BENCH_MODES").ok();
     for op in ["read", "write"] {
         // Reads cycle through the pattern area; writes through scratch clear of the fault areas.
         let (offset, span) = if op == "read" {
@@ -163,8 +168,8 @@ fn grid() -> CaseResult {
         } else {
             (64 << 20, 128 << 20)
         };
-        for &bs in sizes {
-            for &qd in depths {
+        for &bs in &sizes {
+            for &qd in &depths {
                 // A second per repetition (ten turns where at most 512 MiB is in flight). Three
                 // at 4 KiB depth 1, where what sets direct apart from bounce, the copy of 4 KiB,
                 // is about 1% of a request: the paired turns need that many to show it.
@@ -173,12 +178,12 @@ fn grid() -> CaseResult {
                 } else {
                     seconds
                 });
-                let modes: &[&str] = if p2pmem_set() {
-                    &["ram", "direct", "p2pmem"]
-                } else {
-                    &["ram", "direct", "bounce"]
+                let modes: Vec<&str> = match &modes_override {
+                    Some(list) => list.split(',').collect(),
+                    None if p2pmem_set() => vec!["ram", "direct", "p2pmem"],
+                    None => vec!["ram", "direct", "bounce"],
                 };
-                let rows = fgds_bench(&nvme, op, bs, qd, amount, offset, span, repeat, modes)?;
+                let rows = fgds_bench(&nvme, op, bs, qd, amount, offset, span, repeat, &modes)?;
                 for row in rows {
                     ktap::diag(format_args!("fgds-bench: {row}"));
                 }
@@ -186,6 +191,20 @@ fn grid() -> CaseResult {
         }
     }
     ktap::pass()
+}
+
+/// A comma list of numbers from the environment (an experiment's grid), if set.
+fn list_override(var: &str) -> anyhow::Result<Option<Vec<u64>>> {
+    let Ok(list) = std::env::var(var) else {
+        return Ok(None);
+    };
+    let values = list
+        .split(',')
+        .map(|v| v.trim().parse::<u64>())
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("{var}={list}: want a comma list of whole numbers"))?;
+    ensure!(!values.is_empty(), "{var} is empty");
+    Ok(Some(values))
 }
 
 /// REG plus mmap of 1 GiB of GPU memory, and reading 1 GiB into it; also the first open of the

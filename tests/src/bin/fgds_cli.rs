@@ -237,6 +237,38 @@ fn bench_runs_every_mode() -> CaseResult {
             "a timed run moved nothing or cost no CPU: {row}"
         );
     }
+    // `bounce-serial`, only when named: `bounce` without its spare slot, and the rows say
+    // which is which.
+    let args = [
+        "bench",
+        "--vgpu",
+        "0",
+        "--total",
+        "4194304",
+        "--repeat",
+        "1",
+        "--block-size",
+        "65536",
+        "--queue-depth",
+        "1",
+        "--mode",
+        "bounce",
+        "--mode",
+        "bounce-serial",
+        "--json",
+    ];
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&fgds(&args)?)?;
+    for (m, spare) in [("bounce", true), ("bounce-serial", false)] {
+        let row = rows
+            .iter()
+            .find(|r| r["mode"] == m)
+            .with_context(|| format!("no row for mode {m}"))?;
+        ktap::diag(row.to_string());
+        ensure!(
+            row["mib_s"].as_f64().is_some_and(|v| v > 0.0) && row["bounce_spare_slot"] == spare,
+            "mode {m}: expected throughput and bounce_spare_slot {spare}: {row}"
+        );
+    }
     let text = fgds(&[
         "bench", "--vgpu", "0", "--total", "16777216", "--repeat", "1",
     ])?;

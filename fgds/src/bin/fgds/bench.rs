@@ -18,6 +18,10 @@
 //!   the GPU through the exporter's own mapping (`memcpy` or non-temporal stores, whichever
 //!   copies faster at start-up), the copy of one slot overlapping the reads of the others: a
 //!   slot more than the queue depth, so that the next read is in flight while a slot is copied;
+//! - `bounce-serial` (only when asked for, not in `all`): `bounce` without the spare slot, one
+//!   slot per request in flight, so that a completed read is copied before its slot takes the
+//!   next request; at depth 1 the read and the copy take turns, as a synchronous `cuFileRead()`
+//!   in compatibility mode does;
 //! - `p2pmem`: into upstream P2PDMA memory, `/sys/bus/pci/devices/<bdf>/p2pmem/allocate`.
 
 use std::fs::File;
@@ -105,6 +109,8 @@ enum FixedBuffers {
 }
 
 const MODES: &[&str] = &["ram", "direct", "bounce", "p2pmem"];
+/// Modes run only when named: variants of a baseline, for experiments.
+const EXTRA_MODES: &[&str] = &["bounce-serial"];
 
 /// One repetition's figures, summed over its turns.
 #[derive(Default)]
@@ -155,8 +161,14 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     } else {
         opts.modes.clone()
     };
-    if let Some(bad) = modes.iter().find(|m| !MODES.contains(&m.as_str())) {
-        bail!("unknown mode {bad}: use {}", MODES.join(", "));
+    if let Some(bad) = modes
+        .iter()
+        .find(|m| !MODES.contains(&m.as_str()) && !EXTRA_MODES.contains(&m.as_str()))
+    {
+        bail!(
+            "unknown mode {bad}: use {}, or all",
+            [MODES, EXTRA_MODES].concat().join(", ")
+        );
     }
     if opts.block_size == 0 || opts.queue_depth == 0 || opts.threads == 0 || opts.repeat == 0 {
         bail!("block size, queue depth, threads and repeat must be non-zero");
@@ -390,10 +402,12 @@ enum Target {
         buffer: fgds::Buffer,
         _dmabuf: crate::Dmabuf,
     },
-    /// The GPU side is dropped before the RAM it may have pinned.
+    /// The GPU side is dropped before the RAM it may have pinned. `spare`: a slot more than
+    /// the queue depth (`bounce`), or none (`bounce-serial`).
     Bounce {
         gpu: BounceCopy,
         ram: Anon,
+        spare: bool,
     },
     P2pmem(Anon),
 }
@@ -427,8 +441,9 @@ impl Target {
     fn details(&self) -> serde_json::Value {
         match self {
             Target::Ram(ram) => serde_json::json!({"huge_page_fraction": ram.huge_page_fraction()}),
-            Target::Bounce { gpu, ram } => serde_json::json!({
+            Target::Bounce { gpu, ram, spare } => serde_json::json!({
                 "huge_page_fraction": ram.huge_page_fraction(),
+                "bounce_spare_slot": spare,
                 "bounce_copy": match gpu {
                     BounceCopy::Mapping { copy, .. } => copy.name(),
                     BounceCopy::Cuda { .. } => "cuda",
@@ -538,7 +553,7 @@ fn make_target(mode: &str, opts: &Options, len: usize, write: bool) -> anyhow::R
                 _dmabuf: dmabuf,
             })
         }
-        "bounce" => {
+        "bounce" | "bounce-serial" => {
             let ram = ram(len)?;
             let gpu = match opts.source.cuda {
                 Some(ordinal) => {
@@ -561,7 +576,11 @@ fn make_target(mode: &str, opts: &Options, len: usize, write: bool) -> anyhow::R
                     }
                 }
             };
-            Ok(Target::Bounce { gpu, ram })
+            Ok(Target::Bounce {
+                gpu,
+                ram,
+                spare: mode == "bounce",
+            })
         }
         "p2pmem" => p2pmem(opts, len.next_multiple_of(HUGE_PAGE)).map(Target::P2pmem),
         _ => unreachable!("modes are checked in run"),
@@ -614,11 +633,11 @@ fn p2pmem(opts: &Options, len: usize) -> anyhow::Result<Anon> {
 /// benchmark does not care what the data is), so that they fit a GPU's BAR.
 const MAX_REGION: usize = 128 << 20;
 
-/// Slots of a thread's region: one per request in flight, and for `bounce` one more, which a
-/// read goes into while a completed slot is copied (or, writing, which is filled for the next
-/// request while the others are in flight).
-fn slot_count(opts: &Options, bounce: bool) -> usize {
-    opts.queue_depth + usize::from(bounce)
+/// Slots of a thread's region: one per request in flight, and with a `spare` (`bounce`) one
+/// more, which a read goes into while a completed slot is copied (or, writing, which is filled
+/// for the next request while the others are in flight).
+fn slot_count(opts: &Options, spare: bool) -> usize {
+    opts.queue_depth + usize::from(spare)
 }
 
 /// Bytes of target memory per thread: one block per slot, up to [`MAX_REGION`].
@@ -1021,16 +1040,16 @@ fn thread_io(
 ) -> anyhow::Result<Vec<Duration>> {
     let opts = io.opts;
     let bs = opts.block_size;
-    let bounce = match io.target {
-        Target::Bounce { ram, gpu } => Some((ram, gpu)),
-        _ => None,
+    let (bounce, spare) = match io.target {
+        Target::Bounce { ram, gpu, spare } => (Some((ram, gpu)), *spare),
+        _ => (None, false),
     };
     let n_requests = match io.deadline {
         Some(_) => u64::MAX,
         None => io.bytes.div_ceil(bs as u64),
     };
     let more = |next: u64| next < n_requests && io.deadline.is_none_or(|d| Instant::now() < d);
-    let slots = slot_count(opts, bounce.is_some());
+    let slots = slot_count(opts, spare);
     let at = |slot: usize| io.region_offset + slot_offset(slot, bs, io.region);
     // The copy between a slot's staging RAM and the same offset of the GPU's memory.
     let copy = |slot: usize| -> anyhow::Result<()> {
@@ -1133,7 +1152,7 @@ fn thread_io(
     // A `bounce` write fills the spare slot for the next request while the others are in
     // flight, as a loader copies the next block while the drive writes the last.
     let prepare = |free: &mut Vec<usize>, ready: &mut Option<usize>, next: u64| {
-        if bounce.is_some() && io.write && ready.is_none() && more(next) {
+        if spare && io.write && ready.is_none() && more(next) {
             let slot = free.pop().context("no free slot")?;
             copy(slot)?;
             *ready = Some(slot);
@@ -1168,7 +1187,12 @@ fn thread_io(
                 bail!("request failed: {what}");
             }
             latencies.push(issued_at[slot].elapsed());
-            let copy_after = bounce.is_some() && !io.write;
+            // A read is copied out of its slot after the next request went into the spare
+            // slot; without one, before its own slot takes the next request.
+            let copy_after = spare && !io.write;
+            if bounce.is_some() && !spare && !io.write {
+                copy(slot)?;
+            }
             if !copy_after {
                 free.push(slot);
             }
