@@ -147,6 +147,8 @@ static int fgds_account(struct fgds_buf *buf)
 void fgds_buf_free(struct fgds_buf *buf)
 {
 	WARN_ON_ONCE(buf->holding || buf->pinned || buf->sgt);
+	/* Killed @users are freed only once their RCU callback ended. */
+	WARN_ON_ONCE(!fgds_buf_users_quiet(buf));
 	if (buf->attach)
 		dma_buf_detach(buf->dmabuf, buf->attach);
 	if (buf->dmabuf)

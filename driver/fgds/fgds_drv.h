@@ -269,7 +269,8 @@ struct fgds_fence {
  * @users: every call of FGDS_IOCTL_READ/WRITE and FGDS_URING_CMD_READ/WRITE
  *	(rw.c), and every request using one of its io_uring slots (uring.c),
  *	holds a live reference while it can reach the pages; killed by a
- *	revocation that finds @in_use
+ *	revocation that finds @in_use and @released false (a released one has
+ *	no users left: each held a reference in @ref)
  * @in_use: @users was used (written under @lock held for reading, with
  *	@revoked false); until then a revocation leaves it alone
  * @users_dead: @users was killed (under @lock)

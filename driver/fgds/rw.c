@@ -28,6 +28,8 @@
  */
 
 #include <linux/bvec.h>
+#include <linux/dma-buf.h>
+#include <linux/dma-resv.h>
 #include <linux/err.h>
 #include <linux/file.h>
 #include <linux/fs.h>
@@ -103,12 +105,19 @@ void fgds_buf_users_put(struct fgds_buf *buf)
 
 /**
  * fgds_buf_users_kill() - no new call or request may reach a registration
- * @buf: the registration, @lock held for writing, being revoked
+ * @buf: the registration, being revoked; dmabuf->resv held, and @lock held
+ *	for writing
+ *
+ * A released registration is left alone: every call and slot held a
+ * reference on it, so none is left, and none can come. Killing its @users
+ * would start an RCU callback that the registration's free, which may
+ * follow at once, must not outrun.
  */
 void fgds_buf_users_kill(struct fgds_buf *buf)
 {
+	dma_resv_assert_held(buf->dmabuf->resv);
 	lockdep_assert_held_write(&buf->lock);
-	if (!buf->in_use || buf->users_dead)
+	if (!buf->in_use || buf->users_dead || buf->released)
 		return;
 	WRITE_ONCE(buf->users_dead, true);
 	percpu_ref_kill(&buf->users);
@@ -119,11 +128,12 @@ void fgds_buf_users_kill(struct fgds_buf *buf)
  *	registration's pages through @users?
  * @buf: the registration
  *
- * Asked only of a registration that is revoked or released. Revoked: @users
- * was killed if it was ever used, and is quiet once it reached zero. Released
- * and never revoked: calls and slots hold a reference on the registration,
- * and io_uring lets go of a slot only after the last request that used it,
- * so none is left.
+ * Asked only of a registration that is revoked or released. Revoked before
+ * it was released: @users was killed if it was ever used, and is quiet once
+ * it reached zero (its RCU callback has ended then). Released first: calls
+ * and slots hold a reference on the registration, and io_uring lets go of a
+ * slot only after the last request that used it, so none is left, and a
+ * later revocation leaves @users alone.
  *
  * Return: true if none can.
  */

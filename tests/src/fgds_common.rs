@@ -115,6 +115,23 @@ pub fn unreg(node: &File, idx: u64) -> Result<(), Errno> {
     }
 }
 
+/// One `FGDS_IOCTL_READ` (`write` false) or `FGDS_IOCTL_WRITE`; the bytes moved or the errno.
+pub fn ioctl_io(node: &File, write: bool, arg: &uapi::Io) -> Result<usize, i32> {
+    let request = if write {
+        uapi::IOCTL_WRITE
+    } else {
+        uapi::IOCTL_READ
+    };
+    // SAFETY: `Io` is `struct fgds_io`, which the kernel only reads.
+    let res = unsafe { libc::ioctl(node.as_raw_fd(), request as _, arg) };
+    match res {
+        n if n >= 0 => Ok(n as usize),
+        _ => Err(std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO)),
+    }
+}
+
 /// A mapping made with raw mmap(2) flags; unmapped on drop (what is left of it).
 pub struct Map {
     pub ptr: *mut u8,

@@ -18,7 +18,7 @@ use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use common::{MIB, PAGE};
+use common::{MIB, PAGE, ioctl_io};
 use fgds::uapi;
 use fgds_tests::guest::AlignedBuf;
 use fgds_tests::ktap::{self, Case, CaseResult};
@@ -87,23 +87,6 @@ fn io_arg(idx: u64, offset: u64, len: u64, file: &File, file_offset: u64) -> uap
 
 /// A way to make one call: [`ioctl_io`] or [`command_io`].
 type IoFn = fn(&File, bool, &uapi::Io) -> Result<usize, i32>;
-
-/// One `FGDS_IOCTL_READ` (`write` false) or `FGDS_IOCTL_WRITE`; the bytes moved or the errno.
-fn ioctl_io(node: &File, write: bool, arg: &uapi::Io) -> Result<usize, i32> {
-    let request = if write {
-        uapi::IOCTL_WRITE
-    } else {
-        uapi::IOCTL_READ
-    };
-    // SAFETY: `Io` is `struct fgds_io`, which the kernel only reads.
-    let res = unsafe { libc::ioctl(node.as_raw_fd(), request as _, arg) };
-    match res {
-        n if n >= 0 => Ok(n as usize),
-        _ => Err(std::io::Error::last_os_error()
-            .raw_os_error()
-            .unwrap_or(libc::EIO)),
-    }
-}
 
 /// Why the io_uring cases skip where fgds has no io_uring commands.
 const NO_COMMANDS: &str = "EOPNOTSUPP: this kernel's io_uring loses the byte count of a \

@@ -74,6 +74,10 @@ fn main() {
             name: "unreg_racing_an_invalidation_with_pages_shared",
             run: unreg_racing_an_invalidation_with_pages_shared,
         },
+        Case {
+            name: "unreg_of_a_used_registration_racing_an_invalidation",
+            run: unreg_of_a_used_registration_racing_an_invalidation,
+        },
     ])
 }
 
@@ -907,6 +911,63 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
     }
     ktap::diag(format_args!(
         "{rounds} rounds, {reads} reads through the busy registration"
+    ));
+    drop(node);
+    fault::wait_counters_zero("after the races")?;
+    fault::wait_vgpu_buffers_gone("after the races: fgds let every buffer go")?;
+    ktap::pass()
+}
+
+/// UNREG of a registration that fgds's own reads used (its `users` switched on), racing a
+/// vgpu revocation: swept across the revocation's start, so that the invalidation often waits
+/// for the reservation lock UNREG holds and runs the moment UNREG lets it go, before the
+/// registration is freed. An invalidation of a released registration must not kill its
+/// `users`: the kill's RCU callback would run after the free (the fuzzer found it:
+/// `percpu_ref_exit()` warning of a switch in progress, then KASAN's use-after-free in
+/// `rcu_cblist_dequeue()`).
+fn unreg_of_a_used_registration_racing_an_invalidation() -> CaseResult {
+    const LEN: u64 = 64 * 1024;
+    const ROUNDS: u32 = 400;
+    const BUDGET: Duration = Duration::from_secs(20);
+    fault::require_idle()?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let nvme = common::nvme(false)?;
+    let started = Instant::now();
+    let (mut rounds, mut revoked_first) = (0, 0);
+    while rounds < ROUNDS && started.elapsed() < BUDGET {
+        rounds += 1;
+        let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+        let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN).context("REG")?;
+        let arg = fgds::uapi::Io {
+            idx,
+            offset: 0,
+            len: PAGE,
+            file_offset: 0,
+            fd: nvme.as_raw_fd(),
+            flags: 0,
+        };
+        let n = common::ioctl_io(&node, false, &arg)
+            .map_err(|e| anyhow::format_err!("FGDS_IOCTL_READ: errno {e}"))?;
+        ensure!(
+            n as u64 == PAGE,
+            "FGDS_IOCTL_READ moved {n} of {PAGE} bytes"
+        );
+        let revoker = revoke_in_thread(bar_off);
+        let spin = Instant::now();
+        while spin.elapsed() < Duration::from_micros(u64::from(rounds % 40) * 25) {
+            std::hint::spin_loop();
+        }
+        // A call after the revocation gets ENODEV: which came first.
+        if common::ioctl_io(&node, false, &arg) == Err(libc::ENODEV) {
+            revoked_first += 1;
+        }
+        let unreg = common::unreg(&node, idx);
+        fault::join(revoker, "revoked")?.context("revoke")?;
+        ensure!(unreg.is_ok(), "UNREG of a live token: {unreg:?}");
+    }
+    ktap::diag(format_args!(
+        "{rounds} rounds, the revocation first in {revoked_first}"
     ));
     drop(node);
     fault::wait_counters_zero("after the races")?;
