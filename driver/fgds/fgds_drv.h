@@ -342,6 +342,7 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu);
 void fgds_gpu_drop_pages(struct fgds_gpu *gpu);
 int fgds_gpu_pick_bar(struct pci_dev *pdev);
 int fgds_gpu_check_range(struct fgds_gpu *gpu, pgoff_t bar_pg, pgoff_t n);
+const char *fgds_gpu_dma_dev_check(struct fgds_gpu *gpu, struct pci_dev *pdev);
 struct page *fgds_gpu_page(struct fgds_gpu *gpu, pgoff_t bar_pg);
 int fgds_holds_get(struct fgds_gpu *gpu, const struct fgds_extent *ext,
 		   unsigned int nr_ext);
@@ -406,6 +407,9 @@ ssize_t fgds_io_issue(struct fgds_io_req *req, struct iov_iter *iter);
 void fgds_io_release(struct fgds_io_req *req);
 ssize_t fgds_io(struct fgds_file *f, const struct fgds_io *arg, bool write);
 long fgds_ioctl_io(struct fgds_file *f, void __user *uarg, bool write);
+
+/* gate.c */
+int fgds_io_gate(struct fgds_gpu *gpu, struct file *file, int fd, bool write);
 
 /* uring.c */
 int fgds_uring_cmd(struct io_uring_cmd *cmd, unsigned int issue_flags);

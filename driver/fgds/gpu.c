@@ -405,16 +405,34 @@ static bool fgds_p2p_reachable(struct pci_dev *gpu_pdev, struct pci_dev *nvme)
 }
 
 /*
- * Why DMA would not reach GENERIC pages of this GPU exactly as it reaches
- * P2PDMA pages, naming the device at fault in *culprit (a reference the
- * caller drops), or NULL. GENERIC pages look like RAM to the DMA API: it maps
- * them for a DMA master with phys_to_dma(), through an IOMMU if there is one,
- * with no P2P check. P2PDMA pages get the BAR's PCI bus address once the
- * distance check has passed. The two agree when neither the GPU nor any NVMe
- * controller has its DMA translated or bounced, the BAR's bus address is its
- * CPU address, memory is not encrypted (phys_to_dma() would set the
- * encryption bit), and the GPU and every NVMe controller present reach each
- * other through a PCIe switch or a host bridge that routes P2P.
+ * Why DMA by @pdev would not reach GENERIC pages of this GPU exactly as it
+ * reaches P2PDMA pages, or NULL. GENERIC pages look like RAM to the DMA API:
+ * it maps them for a DMA master with phys_to_dma(), through an IOMMU if there
+ * is one, with no P2P check. P2PDMA pages get the BAR's PCI bus address once
+ * the distance check has passed. The two agree when the DMA master's DMA is
+ * neither translated nor bounced and it reaches the GPU through a PCIe switch
+ * or a host bridge that routes P2P.
+ */
+static const char *fgds_generic_dev_unsafe(struct fgds_gpu *gpu,
+					   struct pci_dev *pdev)
+{
+	if (fgds_dma_translated(&pdev->dev))
+		return "an IOMMU translates the DMA of";
+	if (is_swiotlb_force_bounce(&pdev->dev))
+		return "swiotlb bounces the DMA of";
+	if (!fgds_p2p_reachable(gpu->pdev, pdev))
+		return "no PCIe switch or P2P-capable host bridge between the GPU and";
+	return NULL;
+}
+
+/*
+ * Why GENERIC pages of this GPU are unsafe on this machine, naming the
+ * device at fault in *culprit (a reference the caller drops), or NULL: the
+ * rules of fgds_generic_dev_unsafe() for every NVMe controller present, and
+ * neither the GPU's own DMA translated, nor memory encrypted (phys_to_dma()
+ * would set the encryption bit), nor the BAR's bus address other than its
+ * CPU address. fgds_gpu_dma_dev_check() applies the same rules again to the
+ * device that does each of fgds's own reads and writes.
  */
 static const char *fgds_generic_unsafe(struct fgds_gpu *gpu,
 				       struct pci_dev **culprit)
@@ -433,17 +451,33 @@ static const char *fgds_generic_unsafe(struct fgds_gpu *gpu,
 
 		if ((pdev->class >> 8) != PCI_CLASS_STORAGE_EXPRESS)
 			continue;
-		if (fgds_dma_translated(&pdev->dev))
-			why = "an IOMMU translates the DMA of NVMe";
-		else if (is_swiotlb_force_bounce(&pdev->dev))
-			why = "swiotlb bounces the DMA of NVMe";
-		else if (!fgds_p2p_reachable(gpu_pdev, pdev))
-			why = "no PCIe switch or P2P-capable host bridge between the GPU and NVMe";
-		else
+		why = fgds_generic_dev_unsafe(gpu, pdev);
+		if (!why)
 			continue;
 		*culprit = pdev;
 		return why;
 	}
+	return NULL;
+}
+
+/**
+ * fgds_gpu_dma_dev_check() - can a DMA master reach this GPU's pages?
+ * @gpu: the GPU, its provider set up (a registration's @users held)
+ * @pdev: the PCI device that would do the DMA
+ *
+ * P2PDMA pages: the kernel's distance check (pci_p2pdma_distance()), which
+ * the DMA layer applies again when it maps them. GENERIC pages: the rules
+ * fgds checked for every NVMe controller when it created them, for this
+ * device, which may have come since.
+ *
+ * Return: NULL, or why not, as a phrase that the device's name completes.
+ */
+const char *fgds_gpu_dma_dev_check(struct fgds_gpu *gpu, struct pci_dev *pdev)
+{
+	if (READ_ONCE(gpu->mode) == FGDS_MODE_GENERIC)
+		return fgds_generic_dev_unsafe(gpu, pdev);
+	if (!fgds_p2p_reachable(gpu->pdev, pdev))
+		return "no P2P path (pci_p2pdma_distance()) between the GPU and";
 	return NULL;
 }
 

@@ -237,26 +237,30 @@ int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
 	file = fget(arg->fd);
 	if (!file)
 		goto put_buf;
-	if (!(file->f_flags & O_DIRECT)) {
-		dev_info_ratelimited(&buf->gpu->dev,
-				     "%s: fd %d is not open with O_DIRECT: fgds moves GPU memory by DMA only; open the file with O_DIRECT\n",
-				     current->comm, arg->fd);
-		ret = -EINVAL;
-		goto put_file;
-	}
 	ret = -EAGAIN;
 	if (nowait && !(file->f_mode & FMODE_NOWAIT))
 		goto put_file;
 	ret = fgds_buf_users_get(buf);
 	if (ret)
 		goto put_file;
+	/* @users held: the provider, whose mode the gate reads, stays. */
+	ret = fgds_io_gate(buf->gpu, file, arg->fd, write);
+	if (ret)
+		goto put_users;
+	init_sync_kiocb(&req->kiocb, file);
+	if (!(req->kiocb.ki_flags & IOCB_DIRECT)) {
+		dev_info_ratelimited(&buf->gpu->dev,
+				     "%s: fd %d is not open with O_DIRECT: fgds moves GPU memory by DMA only; open the file with O_DIRECT\n",
+				     current->comm, arg->fd);
+		ret = -EINVAL;
+		goto put_users;
+	}
 	req->bv = fgds_buf_range_bvecs(buf, arg->offset, arg->len, req->fast,
 				       ARRAY_SIZE(req->fast), &req->nr);
 	if (IS_ERR(req->bv)) {
 		ret = PTR_ERR(req->bv);
 		goto put_users;
 	}
-	init_sync_kiocb(&req->kiocb, file);
 	if (write)
 		req->kiocb.ki_flags |= IOCB_WRITE;
 	if (nowait)

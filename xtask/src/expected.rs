@@ -229,6 +229,7 @@ const VGPU_PROGRAMS: &[&str] = &[
     "fgds_revoke",
     "fgds_uring",
     "fgds_io",
+    "fgds_gate",
     "fgds_fault_drive",
     "fgds_fault_nvme_unplug",
     "fgds_fault_gpu_unplug",
@@ -305,6 +306,19 @@ pub const SKIPS: &[Skip] = &[
               (mode=plain); in p2pdma mode its buffers come from the P2PDMA pool, one run each",
     },
     Skip {
+        cases: &["fgds_gate::zram_refused"],
+        when: &[When::LacksAny(&["CONFIG_ZRAM"])],
+        reason: "the kernel has no zram",
+        why: "the build: kernels leave zram out (it drags in a compressor and zsmalloc); loop, \
+              brd and dm-crypt are refused there the same way",
+    },
+    Skip {
+        cases: &["fgds_gate::ram_and_gpu_alternating_in_one_batch"],
+        when: &[When::SeriesBelow(6, 12)],
+        reason: "EOPNOTSUPP: this kernel's io_uring loses the byte count",
+        why: "the batch mixes io_uring reads with fgds's commands, which 6.1 cannot carry",
+    },
+    Skip {
         cases: &["fgds_uring::*"],
         when: &[When::Unpatched("io-uring-revocable-kbuf")],
         reason: "EOPNOTSUPP: this kernel cannot revoke io_uring kernel buffers",
@@ -362,6 +376,7 @@ pub const SKIPS: &[Skip] = &[
             "fgds_revoke::*",
             "fgds_uring::*",
             "fgds_io::*",
+            "fgds_gate::*",
             "fgds_badinput::limit_memlock_enomem",
             "fgds_badinput::limit_bytes_per_user_enospc",
             "fgds_cli",

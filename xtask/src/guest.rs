@@ -19,7 +19,14 @@ const KERNEL_MODULES: &[&str] = &[
     "ext4",
 ];
 /// Kernel modules loaded when the kernel was configured with them (`CONFIG_...` name first).
-const OPTIONAL_KERNEL_MODULES: &[(&str, &str)] = &[("CONFIG_UDMABUF", "udmabuf")];
+const OPTIONAL_KERNEL_MODULES: &[(&str, &str)] = &[
+    ("CONFIG_UDMABUF", "udmabuf"),
+    // Block devices fgds must refuse (tests fgds_gate).
+    ("CONFIG_BLK_DEV_LOOP", "loop"),
+    ("CONFIG_BLK_DEV_RAM", "brd"),
+    ("CONFIG_ZRAM", "zram"),
+    ("CONFIG_DM_CRYPT", "dm_crypt"),
+];
 
 /// One test program of a run, in the order it runs.
 pub struct SuiteEntry {

@@ -368,6 +368,13 @@ fn prepare_drives() -> (Drives, Vec<String>) {
     if drives.nvme2.is_none() {
         errors.push("no NVMe namespace of serial fgds1 (the second drive)".to_owned());
     }
+    // fgds's own reads and writes need queues that never merge on kernels that map a request
+    // by its first segment (driver/fgds/gate.c); the rig sets it on every kernel alike.
+    for dev in [&drives.nvme, &drives.ext4, &drives.nvme2].into_iter().flatten() {
+        if let Err(err) = set_nomerges(dev) {
+            errors.push(err);
+        }
+    }
     match &drives.ext4 {
         None => errors.push("no NVMe namespace 2 of serial fgds0 (the ext4 drive)".to_owned()),
         Some(dev) => {
@@ -384,6 +391,13 @@ fn prepare_drives() -> (Drives, Vec<String>) {
         }
     }
     (drives, errors)
+}
+
+/// Writes 2 to `/sys/block/NAME/queue/nomerges` of the disk `dev` (`/dev/NAME`).
+fn set_nomerges(dev: &str) -> Result<(), String> {
+    let name = dev.trim_start_matches("/dev/");
+    let path = format!("/sys/block/{name}/queue/nomerges");
+    fs::write(&path, "2").map_err(|err| format!("cannot write 2 to {path}: {err}"))
 }
 
 fn find_pci_device(vendor: &str, device: &str) -> Option<String> {

@@ -205,6 +205,14 @@ struct fgds_uring_buffer {
  *   writing (WRITE).
  * - EACCES: READ into a registration of a dma-buf opened read-only.
  * - ENODEV: the registration was revoked.
+ * - EREMOTEIO: the GPU's memory may not go to this file by peer-to-peer
+ *   DMA: it is not a block device nor a file on ext4 or xfs (a pipe, a
+ *   socket, tmpfs, FUSE, NFS, ...), or its file's data goes through the CPU
+ *   (DAX, encryption, verity), or its block device's queue takes no P2PDMA
+ *   pages (loop, brd, zram, dm, md, ...), is on no PCI device, is not
+ *   reachable from the GPU, or may merge requests on a kernel that maps a
+ *   request by its first segment (set its queue's nomerges to 2). Nothing was
+ *   moved; the kernel log says which. Read through RAM instead.
  * - EOPNOTSUPP: (io_uring commands) this kernel's io_uring cannot post the
  *   commands' byte counts (Linux 6.1); use FGDS_IOCTL_READ/WRITE.
  * - ENOMEM: out of memory.

@@ -1,0 +1,701 @@
+//! Where fgds's own reads and writes may go (driver/fgds/gate.c): files whose I/O completes
+//! only when some process decides (a pipe, a socket), files whose data the CPU copies (tmpfs)
+//! and block devices whose queues take no P2PDMA pages (loop, brd, zram, dm-crypt) are refused
+//! with EREMOTEIO by both ioctls and both io_uring commands, before a page is handed out; a
+//! revocation started while a write into a full pipe is attempted ends at once; on kernels
+//! that map a request by its first segment, a queue that may merge is refused; and where fgds
+//! goes, one ring's batch of adjacent reads and writes alternating RAM and GPU memory, from two
+//! processes at once, puts every byte where it belongs.
+
+#[path = "../fgds_common.rs"]
+mod common;
+#[path = "../fgds_fault_common.rs"]
+mod fault;
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use common::{MIB, ioctl_io};
+use fgds::uapi;
+use fgds_tests::guest::AlignedBuf;
+use fgds_tests::ktap::{self, Case, CaseResult};
+use fgds_tests::{ctl, pattern};
+use io_uring::squeue::{Entry, Entry128};
+use io_uring::{IoUring, opcode, types};
+
+/// NVMe scratch area of this program.
+const SCRATCH: u64 = 200 * MIB;
+const SEED_GPU: u64 = 0x4741_5445;
+const SEED_SENTINEL: u64 = 0x4741_5453;
+/// Where this program mounts a tmpfs of its own.
+const TMPFS: &str = "/mnt/fgds-gate";
+/// The bound a refused call's revocation must meet: nothing was admitted, so nothing waits.
+const REVOKE_BOUND: Duration = Duration::from_secs(5);
+
+fn main() {
+    common::run_unless_refused(&[
+        Case {
+            name: "pipe_and_socket_refused",
+            run: pipe_and_socket_refused,
+        },
+        Case {
+            name: "tmpfs_file_refused",
+            run: tmpfs_file_refused,
+        },
+        Case {
+            name: "loop_device_refused",
+            run: loop_device_refused,
+        },
+        Case {
+            name: "brd_refused",
+            run: || ram_disk_refused("brd", "CONFIG_BLK_DEV_RAM", brd),
+        },
+        Case {
+            name: "zram_refused",
+            run: || ram_disk_refused("zram", "CONFIG_ZRAM", zram),
+        },
+        Case {
+            name: "dm_crypt_refused",
+            run: dm_crypt_refused,
+        },
+        Case {
+            name: "revocation_not_held_by_a_full_pipe",
+            run: revocation_not_held_by_a_full_pipe,
+        },
+        Case {
+            name: "merging_queue_refused_where_requests_map_by_first_segment",
+            run: merging_queue_refused,
+        },
+        Case {
+            name: "ram_and_gpu_alternating_in_one_batch",
+            run: ram_and_gpu_alternating_in_one_batch,
+        },
+    ])
+}
+
+/// One registration of `len` bytes of vgpu memory, filled with the sentinel.
+struct Reg {
+    node: File,
+    _dmabuf: OwnedFd,
+    idx: u64,
+    bar_off: u64,
+}
+
+fn registration(len: u64) -> anyhow::Result<Reg> {
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, len)?;
+    fault::vgpu_fill(bar_off, len, SEED_SENTINEL)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    Ok(Reg {
+        node,
+        _dmabuf: dmabuf,
+        idx,
+        bar_off,
+    })
+}
+
+fn io_arg(idx: u64, len: u64, fd: i32, file_offset: u64) -> uapi::Io {
+    uapi::Io {
+        idx,
+        offset: 0,
+        len,
+        file_offset,
+        fd,
+        flags: 0,
+    }
+}
+
+/// One `FGDS_URING_CMD_READ`/`WRITE` on a ring of its own: bytes moved or the errno; None where
+/// this kernel's io_uring cannot carry fgds's commands (EOPNOTSUPP, Linux 6.1).
+fn command_io(node: &File, write: bool, arg: &uapi::Io) -> anyhow::Result<Option<Result<usize, i32>>> {
+    let mut ring = IoUring::<Entry128>::builder()
+        .build(2)
+        .context("io_uring_setup with 128-byte entries")?;
+    let sqe = fgds_cmd(node, write, arg);
+    // SAFETY: the command carries its argument inline; it refers to no memory.
+    unsafe { ring.submission().push(&sqe) }.context("submission queue full")?;
+    ring.submit_and_wait(1)?;
+    match ring.completion().next().map(|c| c.result()) {
+        Some(res) if res == -libc::EOPNOTSUPP => Ok(None),
+        Some(res) if res >= 0 => Ok(Some(Ok(res as usize))),
+        Some(res) => Ok(Some(Err(-res))),
+        None => bail!("no completion for the command"),
+    }
+}
+
+fn fgds_cmd(node: &File, write: bool, arg: &uapi::Io) -> Entry128 {
+    let op = if write {
+        uapi::URING_CMD_WRITE
+    } else {
+        uapi::URING_CMD_READ
+    };
+    opcode::UringCmd80::new(types::Fd(node.as_raw_fd()), op)
+        .cmd(arg.to_cmd())
+        .build()
+}
+
+/// fgds's four ways (ioctl and command, read and write) with `fd` at `file_offset`: each must
+/// fail with EREMOTEIO, and GPU memory must still hold its sentinel. `what` names the file.
+fn require_refused(reg: &Reg, fd: i32, what: &str) -> anyhow::Result<()> {
+    const LEN: u64 = 64 * 1024;
+    let mark = fgds_tests::guest::kernel_log_mark()?;
+    for write in [false, true] {
+        let dir = if write { "WRITE" } else { "READ" };
+        let arg = io_arg(reg.idx, LEN, fd, 0);
+        match ioctl_io(&reg.node, write, &arg) {
+            Err(e) if e == libc::EREMOTEIO => {}
+            Err(e) => bail!(
+                "FGDS_IOCTL_{dir} with {what} failed with {}, want EREMOTEIO",
+                std::io::Error::from_raw_os_error(e)
+            ),
+            Ok(n) => bail!("FGDS_IOCTL_{dir} with {what} was accepted ({n} bytes moved)"),
+        }
+        match command_io(&reg.node, write, &arg)? {
+            None => ktap::diag(format_args!(
+                "no io_uring commands on this kernel: {what} checked through the ioctls"
+            )),
+            Some(Err(e)) if e == libc::EREMOTEIO => {}
+            Some(Err(e)) => bail!(
+                "FGDS_URING_CMD_{dir} with {what} failed with {}, want EREMOTEIO",
+                std::io::Error::from_raw_os_error(e)
+            ),
+            Some(Ok(n)) => bail!("FGDS_URING_CMD_{dir} with {what} was accepted ({n} bytes)"),
+        }
+    }
+    // The driver's line (ratelimited, so only shown, never required).
+    let fd_tag = format!("fd {fd}");
+    if let Some(line) = fgds_tests::guest::kernel_log_since(mark)?
+        .into_iter()
+        .find(|l| l.contains(&fd_tag))
+    {
+        ktap::diag(format_args!("{what}: {line}"));
+    }
+    ctl::gpu_check(reg.bar_off, LEN, SEED_SENTINEL)
+        .with_context(|| format!("GPU memory after the refused calls with {what}"))
+}
+
+/// `pipe2(O_DIRECT)` (packet mode) both ends, and both ends of a socket pair.
+fn pipe_and_socket_refused() -> CaseResult {
+    fault::require_idle()?;
+    let reg = registration(MIB)?;
+    let (r, w) = pipe(libc::O_DIRECT | libc::O_NONBLOCK)?;
+    require_refused(&reg, r.as_raw_fd(), "the read end of an O_DIRECT pipe")?;
+    require_refused(&reg, w.as_raw_fd(), "the write end of an O_DIRECT pipe")?;
+    let mut fds = [0; 2];
+    // SAFETY: socketpair writes two descriptors into the array, which we then own.
+    if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, fds.as_mut_ptr()) } != 0 {
+        bail!("socketpair: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: both are fresh descriptors of ours.
+    let (a, _b) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    require_refused(&reg, a.as_raw_fd(), "a Unix socket")?;
+    drop(reg);
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+fn pipe(flags: i32) -> anyhow::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into the array, which we then own.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), flags) } != 0 {
+        bail!("pipe2: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: both are fresh descriptors of ours.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// A tmpfs of this program's own at [`TMPFS`], mounted once.
+fn tmpfs() -> anyhow::Result<&'static Path> {
+    let dir = Path::new(TMPFS);
+    if std::fs::read_to_string("/proc/self/mounts")?.contains(&format!(" {TMPFS} tmpfs ")) {
+        return Ok(dir);
+    }
+    std::fs::create_dir_all(dir)?;
+    rustix::mount::mount(
+        "tmpfs",
+        dir,
+        "tmpfs",
+        rustix::mount::MountFlags::empty(),
+        Some(c"size=64m"),
+    )
+    .with_context(|| format!("mount tmpfs on {TMPFS}"))?;
+    Ok(dir)
+}
+
+/// A file of `len` bytes on [`TMPFS`].
+fn tmpfs_file(name: &str, len: u64) -> anyhow::Result<PathBuf> {
+    let path = tmpfs()?.join(name);
+    let file = File::create(&path)?;
+    file.set_len(len)?;
+    Ok(path)
+}
+
+/// Opens `path` for reading and writing with O_DIRECT, or without it where the file refuses
+/// O_DIRECT (tmpfs before 6.6): either way fgds must refuse it, before the O_DIRECT check.
+fn open_rw(path: &Path) -> anyhow::Result<File> {
+    let direct = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path);
+    match direct {
+        Ok(file) => Ok(file),
+        Err(err) if err.raw_os_error() == Some(libc::EINVAL) => {
+            ktap::diag(format_args!("{} takes no O_DIRECT here", path.display()));
+            Ok(OpenOptions::new().read(true).write(true).open(path)?)
+        }
+        Err(err) => Err(err).with_context(|| format!("open {}", path.display())),
+    }
+}
+
+fn tmpfs_file_refused() -> CaseResult {
+    fault::require_idle()?;
+    let path = tmpfs_file("tmpfs.bin", 4 * MIB)?;
+    let file = open_rw(&path)?;
+    let reg = registration(MIB)?;
+    require_refused(&reg, file.as_raw_fd(), "a file on tmpfs")?;
+    drop((reg, file));
+    std::fs::remove_file(path)?;
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// A loop device over a file of [`TMPFS`], detached when dropped.
+struct Loop {
+    dev: File,
+    path: PathBuf,
+}
+
+impl Loop {
+    fn new(backing: &Path) -> anyhow::Result<Loop> {
+        const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
+        const LOOP_SET_FD: libc::c_ulong = 0x4C00;
+        let ctl = File::open("/dev/loop-control").context("open /dev/loop-control")?;
+        // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
+        let n = unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE) };
+        ensure!(
+            n >= 0,
+            "LOOP_CTL_GET_FREE: {}",
+            std::io::Error::last_os_error()
+        );
+        let path = PathBuf::from(format!("/dev/loop{n}"));
+        let dev = wait_for_node(&path)?;
+        let file = OpenOptions::new().read(true).write(true).open(backing)?;
+        // SAFETY: LOOP_SET_FD takes the backing file's descriptor, which outlives the call.
+        if unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_SET_FD, file.as_raw_fd()) } != 0 {
+            bail!("LOOP_SET_FD: {}", std::io::Error::last_os_error());
+        }
+        Ok(Loop { dev, path })
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
+        // SAFETY: LOOP_CLR_FD takes no argument.
+        unsafe { libc::ioctl(self.dev.as_raw_fd(), LOOP_CLR_FD, 0) };
+    }
+}
+
+/// Opens a device node that devtmpfs may still be creating (bounded wait).
+fn wait_for_node(path: &Path) -> anyhow::Result<File> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match OpenOptions::new().read(true).write(true).open(path) {
+            Ok(file) => return Ok(file),
+            Err(err) if Instant::now() > deadline => {
+                return Err(err).with_context(|| format!("open {}", path.display()));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+fn loop_device_refused() -> CaseResult {
+    fault::require_idle()?;
+    let backing = tmpfs_file("loop.bin", 8 * MIB)?;
+    let dev = Loop::new(&backing)?;
+    let file = open_rw(&dev.path)?;
+    let reg = registration(MIB)?;
+    require_refused(&reg, file.as_raw_fd(), "a loop device")?;
+    drop((reg, file, dev));
+    std::fs::remove_file(backing)?;
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// Whether the guest kernel has what `option` builds: the rig loads the module where the
+/// kernel has it as one, so its sysfs directory tells (`/sys/module/NAME`, or the device's).
+fn kernel_has(option: &str) -> bool {
+    let dir = match option {
+        "CONFIG_BLK_DEV_RAM" => "/sys/block/ram0",
+        "CONFIG_ZRAM" => "/sys/block/zram0",
+        "CONFIG_DM_CRYPT" => "/sys/module/dm_crypt",
+        _ => return false,
+    };
+    Path::new(dir).exists()
+}
+
+fn brd() -> anyhow::Result<PathBuf> {
+    Ok(PathBuf::from("/dev/ram0"))
+}
+
+fn zram() -> anyhow::Result<PathBuf> {
+    let size = Path::new("/sys/block/zram0/disksize");
+    if std::fs::read_to_string(size)?.trim() == "0" {
+        std::fs::write(size, "16M").context("write 16M to /sys/block/zram0/disksize")?;
+    }
+    Ok(PathBuf::from("/dev/zram0"))
+}
+
+fn ram_disk_refused(
+    what: &str,
+    option: &str,
+    dev: fn() -> anyhow::Result<PathBuf>,
+) -> CaseResult {
+    if !kernel_has(option) {
+        return ktap::skip(format!("the kernel has no {what} ({option})"));
+    }
+    fault::require_idle()?;
+    let path = dev()?;
+    let file = open_rw(&wait_for_node(&path).map(|_| path.clone())?)?;
+    let reg = registration(MIB)?;
+    require_refused(&reg, file.as_raw_fd(), &format!("{what} ({})", path.display()))?;
+    drop((reg, file));
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// A device-mapper device made with the DM ioctls, removed when dropped.
+struct Dm {
+    name: String,
+    path: PathBuf,
+}
+
+/// `struct dm_ioctl` (include/uapi/linux/dm-ioctl.h), 312 bytes, then what follows it.
+const DM_HDR: usize = 312;
+
+fn dm_ioctl(nr: u8, name: &str, flags: u32, payload: &[u8], targets: u32) -> anyhow::Result<u64> {
+    let control = File::open("/dev/mapper/control").context("open /dev/mapper/control")?;
+    let mut buf = vec![0u8; DM_HDR + payload.len() + 4096];
+    let size = buf.len() as u32;
+    buf[0..4].copy_from_slice(&4u32.to_ne_bytes());
+    buf[12..16].copy_from_slice(&size.to_ne_bytes()); // data_size
+    buf[16..20].copy_from_slice(&(DM_HDR as u32).to_ne_bytes()); // data_start
+    buf[20..24].copy_from_slice(&targets.to_ne_bytes()); // target_count
+    buf[28..32].copy_from_slice(&flags.to_ne_bytes());
+    buf[48..48 + name.len()].copy_from_slice(name.as_bytes());
+    buf[DM_HDR..DM_HDR + payload.len()].copy_from_slice(payload);
+    // _IOWR(0xfd, nr, struct dm_ioctl)
+    let req = (3u64 << 30) | ((DM_HDR as u64) << 16) | (0xfd << 8) | nr as u64;
+    // SAFETY: the buffer is data_size bytes long, as the header says.
+    if unsafe { libc::ioctl(control.as_raw_fd(), req as libc::c_ulong, buf.as_mut_ptr()) } != 0 {
+        bail!("DM ioctl {nr} for {name}: {}", std::io::Error::last_os_error());
+    }
+    Ok(u64::from_ne_bytes(buf[40..48].try_into()?))
+}
+
+impl Dm {
+    /// A dm-crypt target over `backing` (sectors of 512 bytes), with a fixed test key.
+    fn crypt(name: &str, backing: &Path, sectors: u64) -> anyhow::Result<Dm> {
+        const DM_DEV_CREATE: u8 = 3;
+        const DM_DEV_SUSPEND: u8 = 6;
+        const DM_TABLE_LOAD: u8 = 9;
+        dm_ioctl(DM_DEV_CREATE, name, 0, &[], 0)?;
+        let mut dm = Dm {
+            name: name.to_owned(),
+            path: PathBuf::new(),
+        };
+        let params = format!("aes-cbc-plain {} 0 {} 0\0", "00".repeat(32), backing.display());
+        let mut spec = vec![0u8; 40];
+        spec[8..16].copy_from_slice(&sectors.to_ne_bytes());
+        let next = (40 + params.len()).next_multiple_of(8);
+        spec[20..24].copy_from_slice(&(next as u32).to_ne_bytes());
+        spec[24..29].copy_from_slice(b"crypt");
+        spec.extend_from_slice(params.as_bytes());
+        spec.resize(next, 0);
+        dm_ioctl(DM_TABLE_LOAD, name, 0, &spec, 1)?;
+        let dev = dm_ioctl(DM_DEV_SUSPEND, name, 0, &[], 0)?;
+        // Linux's new_encode_dev(): minor's low byte, major, minor's high bits.
+        let minor = (dev & 0xff) | ((dev >> 12) & 0xfff00);
+        dm.path = PathBuf::from(format!("/dev/dm-{minor}"));
+        Ok(dm)
+    }
+}
+
+impl Drop for Dm {
+    fn drop(&mut self) {
+        const DM_DEV_REMOVE: u8 = 4;
+        let _ = dm_ioctl(DM_DEV_REMOVE, &self.name, 0, &[], 0);
+    }
+}
+
+fn dm_crypt_refused() -> CaseResult {
+    if !kernel_has("CONFIG_DM_CRYPT") {
+        return ktap::skip("the kernel has no dm-crypt (CONFIG_DM_CRYPT)");
+    }
+    fault::require_idle()?;
+    let backing = tmpfs_file("crypt.bin", 8 * MIB)?;
+    let under = Loop::new(&backing)?;
+    let dm = Dm::crypt("fgds-gate-crypt", &under.path, 8 * MIB / 512)?;
+    let file = open_rw(&wait_for_node(&dm.path).map(|_| dm.path.clone())?)?;
+    let reg = registration(MIB)?;
+    require_refused(&reg, file.as_raw_fd(), "a dm-crypt target")?;
+    drop((reg, file, dm, under));
+    std::fs::remove_file(backing)?;
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// The reviewer's reproduction: fill an O_DIRECT pipe that nobody reads, ask fgds to write a
+/// registration into it from another thread, then revoke the buffer. fgds must refuse the
+/// write, and the revocation must end within [`REVOKE_BOUND`]; a driver that took the write
+/// would hold the revocation until the pipe is drained (the case drains it after the bound).
+fn revocation_not_held_by_a_full_pipe() -> CaseResult {
+    fault::require_idle()?;
+    const LEN: u64 = 2 * MIB;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    let (r, w) = pipe(libc::O_DIRECT)?;
+    // Fill the pipe: non-blocking for the fill only.
+    // SAFETY: fcntl on our own descriptor.
+    unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK | libc::O_DIRECT) };
+    let mut w_file = File::from(w);
+    let chunk = [0u8; 4096];
+    let mut filled = 0;
+    while w_file.write(&chunk).is_ok() {
+        filled += 1;
+    }
+    // SAFETY: as above; blocking again, so that an admitted write would wait.
+    unsafe { libc::fcntl(w_file.as_raw_fd(), libc::F_SETFL, libc::O_DIRECT) };
+    ktap::diag(format_args!("the pipe holds {filled} packets of 4 KiB"));
+    let node2 = node.try_clone()?;
+    let wfd = w_file.as_raw_fd();
+    let writer = std::thread::spawn(move || ioctl_io(&node2, true, &io_arg(idx, 4096, wfd, 0)));
+    std::thread::sleep(Duration::from_millis(200));
+    let start = Instant::now();
+    let revoker = std::thread::spawn(move || common::revoke(bar_off));
+    while !revoker.is_finished() && start.elapsed() < REVOKE_BOUND {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let took = start.elapsed();
+    let held = !revoker.is_finished();
+    // Unblock whatever is still waiting before judging.
+    let mut r_file = File::from(r);
+    let mut sink = vec![0u8; 4096];
+    while !writer.is_finished() || !revoker.is_finished() {
+        // SAFETY: fcntl on our own descriptor.
+        unsafe { libc::fcntl(r_file.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+        let _ = std::io::Read::read(&mut r_file, &mut sink);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let written = writer.join().map_err(|_| anyhow::anyhow!("writer panicked"))?;
+    revoker
+        .join()
+        .map_err(|_| anyhow::anyhow!("revoker panicked"))?
+        .context("the revocation")?;
+    ensure!(
+        !held,
+        "the revocation was still waiting after {took:?}, held up by fgds's write into a full pipe \
+         (it ended when the pipe was drained; the write gave {written:?})"
+    );
+    ensure!(
+        written == Err(libc::EREMOTEIO),
+        "FGDS_IOCTL_WRITE into a full O_DIRECT pipe gave {written:?}, want Err(EREMOTEIO)"
+    );
+    ktap::diag(format_args!("the revocation took {took:?}"));
+    drop((node, dmabuf, w_file));
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// Whether the guest kernel maps a request for DMA by its first segment: nvme-pci does through
+/// blk_rq_dma_map_iter_start() from Linux 6.17 (driver/include/fgds_compat.h,
+/// FGDS_BLK_MAPS_BY_FIRST_SEGMENT, which a compile probe decides).
+fn maps_by_first_segment() -> anyhow::Result<bool> {
+    let release = common::kernel_release()?;
+    let mut parts = release.split(['.', '-']).map(|p| p.parse::<u32>().unwrap_or(0));
+    let series = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    Ok(series >= (6, 17))
+}
+
+/// The raw drive's `/sys/block/NAME/queue/nomerges`.
+fn nomerges_path() -> anyhow::Result<PathBuf> {
+    let dev = fgds_tests::guest::nvme_path()?;
+    let name = dev
+        .file_name()
+        .context("the raw drive's path has no name")?
+        .to_string_lossy()
+        .into_owned();
+    Ok(PathBuf::from(format!("/sys/block/{name}/queue/nomerges")))
+}
+
+/// With the raw drive's queue allowed to merge (nomerges 0), fgds refuses its reads and writes
+/// where P2PDMA pages would be mapped by the first segment of a merged request (and GENERIC
+/// pages are RAM to the DMA layer, so they go), and takes them where the kernel maps each
+/// segment on its own.
+fn merging_queue_refused() -> CaseResult {
+    fault::require_idle()?;
+    let nomerges = nomerges_path()?;
+    let before = std::fs::read_to_string(&nomerges)?;
+    let reg = registration(MIB)?;
+    let nvme = common::nvme(true)?;
+    std::fs::write(&nomerges, "0")?;
+    let got = ioctl_io(&reg.node, false, &io_arg(reg.idx, 64 * 1024, nvme.as_raw_fd(), SCRATCH));
+    std::fs::write(&nomerges, before.trim())?;
+    let p2pdma_pages = fgds_tests::guest::expected_mode()? != "generic";
+    let refuse = maps_by_first_segment()? && p2pdma_pages;
+    match (refuse, got) {
+        (true, Err(e)) if e == libc::EREMOTEIO => {}
+        (false, Ok(n)) if n == 64 * 1024 => {}
+        (true, got) => bail!(
+            "a read from a queue that may merge gave {got:?}, want EREMOTEIO: this kernel maps a \
+             request by its first segment and the pages are P2PDMA"
+        ),
+        (false, got) => bail!("a read from a queue that may merge gave {got:?}, want 65536 bytes"),
+    }
+    drop((reg, nvme));
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// Adjacent 64 KiB ranges of the raw drive, even ones read into GPU memory by fgds's command,
+/// odd ones into RAM by io_uring's read, all in one submission; then the same ranges written
+/// back elsewhere from both. Two processes do it at once, each on its own area. The host checks
+/// GPU memory, the program checks RAM and the drive; the block layer's merge tracepoints are
+/// counted and reported.
+fn ram_and_gpu_alternating_in_one_batch() -> CaseResult {
+    fault::require_idle()?;
+    let reg = registration(4 * MIB)?;
+    if command_io(&reg.node, false, &uapi::Io::default())?.is_none() {
+        drop(reg);
+        return ktap::skip(
+            "EOPNOTSUPP: this kernel's io_uring loses the byte count of a driver's command \
+             (Linux 6.1): fgds offers only the ioctls",
+        );
+    }
+    const PIECE: u64 = 64 * 1024;
+    const PIECES: u64 = 32;
+    for area in 0..2 {
+        fault::write_nvme_pattern(SEED_GPU + area, (PIECE * PIECES) as usize, area_at(area))?;
+    }
+    let (result, trace) = fgds_tests::profile::trace(
+        &[
+            "block/block_bio_backmerge",
+            "block/block_bio_frontmerge",
+            "block/block_rq_merge",
+        ],
+        || {
+            let child = common::in_child(|| match alternate(&reg, 1, PIECE, PIECES) {
+                Ok(()) => 0,
+                Err(err) => {
+                    ktap::diag(format_args!("the second process: {err:#}"));
+                    1
+                }
+            });
+            let mine = alternate(&reg, 0, PIECE, PIECES);
+            Ok((child?, mine))
+        },
+    )?;
+    let (child, mine) = result;
+    mine?;
+    ensure!(child == 0, "the second process failed (status {child})");
+    let merges = trace.lines().filter(|l| l.contains("merge")).count();
+    ktap::diag(format_args!(
+        "{merges} block-layer merges during the batches (the queue's nomerges is {})",
+        std::fs::read_to_string(nomerges_path()?)?.trim()
+    ));
+    for area in 0..2 {
+        for i in (0..PIECES).step_by(2) {
+            let at = area * 2 * MIB + i / 2 * PIECE;
+            ctl::gpu_check_at(reg.bar_off + at, PIECE, SEED_GPU + area, i * PIECE)
+                .with_context(|| format!("process {area}: GPU memory of piece {i}"))?;
+        }
+    }
+    drop(reg);
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// Where process `area`'s drive area starts (reads); its writes go 16 MiB further.
+fn area_at(area: u64) -> u64 {
+    SCRATCH + area * 4 * MIB
+}
+
+/// Process `area` of [`ram_and_gpu_alternating_in_one_batch`]: GPU pieces land in its 2 MiB
+/// half of the registration, one after another; RAM pieces in a buffer of its own.
+fn alternate(reg: &Reg, area: u64, piece: u64, pieces: u64) -> anyhow::Result<()> {
+    let nvme = common::nvme(true)?;
+    let mut ram = AlignedBuf::new((piece * pieces / 2) as usize)?;
+    let mut ring = IoUring::<Entry128>::builder()
+        .build(64)
+        .context("io_uring_setup with 128-byte entries")?;
+    let gpu_at = |i: u64| area * 2 * MIB + i / 2 * piece;
+    let ram_ptr = |ram: &mut AlignedBuf, i: u64| {
+        ram.as_mut_slice()[(i / 2 * piece) as usize..].as_mut_ptr()
+    };
+    for write in [false, true] {
+        let drive = area_at(area) + if write { 16 * MIB } else { 0 };
+        for i in 0..pieces {
+            let off = drive + i * piece;
+            let sqe: Entry128 = if i % 2 == 0 {
+                let mut arg = io_arg(reg.idx, piece, nvme.as_raw_fd(), off);
+                arg.offset = gpu_at(i);
+                fgds_cmd(&reg.node, write, &arg)
+            } else {
+                let ptr = ram_ptr(&mut ram, i);
+                let e: Entry = if write {
+                    opcode::Write::new(types::Fd(nvme.as_raw_fd()), ptr, piece as u32)
+                        .offset(off)
+                        .build()
+                } else {
+                    opcode::Read::new(types::Fd(nvme.as_raw_fd()), ptr, piece as u32)
+                        .offset(off)
+                        .build()
+                };
+                e.into()
+            };
+            // SAFETY: the RAM buffer outlives the batch (we wait for every completion below);
+            // fgds's commands carry their argument inline.
+            unsafe { ring.submission().push(&sqe.user_data(i)) }.context("queue full")?;
+        }
+        ring.submit_and_wait(pieces as usize)?;
+        let mut seen = 0;
+        while seen < pieces {
+            ring.submit_and_wait(1)?;
+            for cqe in ring.completion() {
+                seen += 1;
+                ensure!(
+                    cqe.result() == piece as i32,
+                    "{} of piece {} gave {}",
+                    if write { "write" } else { "read" },
+                    cqe.user_data(),
+                    cqe.result()
+                );
+            }
+        }
+        if !write {
+            for i in (1..pieces).step_by(2) {
+                let start = (i / 2 * piece) as usize;
+                let got = &ram.as_slice()[start..start + piece as usize];
+                if let Some(at) = pattern::first_mismatch(SEED_GPU + area, i * piece, got) {
+                    bail!("RAM piece {i}: byte {at:#x} is not the drive's");
+                }
+            }
+        }
+    }
+    let mut back = AlignedBuf::new((piece * pieces) as usize)?;
+    nvme.read_exact_at(back.as_mut_slice(), area_at(area) + 16 * MIB)?;
+    if let Some(at) = pattern::first_mismatch(SEED_GPU + area, 0, back.as_slice()) {
+        bail!("the written area's byte {at:#x} is not what was read (GPU and RAM pieces alike)");
+    }
+    Ok(())
+}
