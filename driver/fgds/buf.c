@@ -175,8 +175,14 @@ static void fgds_user_pages_sub(struct fgds_gpu *gpu, unsigned long uid,
 	if (WARN_ON_ONCE(pages < npages) || pages == npages)
 		xa_erase(&gpu->user_pages, uid);
 	else
-		xa_store(&gpu->user_pages, uid, xa_mk_value(pages - npages),
-			 GFP_KERNEL);
+		/*
+		 * Replaces the entry in its slot: no node is allocated
+		 * (lib/xarray.c, xas_store() of a present index), so this
+		 * cannot fail and leak the user's quota.
+		 */
+		WARN_ON_ONCE(xa_is_err(xa_store(&gpu->user_pages, uid,
+						xa_mk_value(pages - npages),
+						GFP_KERNEL)));
 }
 
 /* Drops what a registration counts against its GPU and user; bufs_lock held. */
@@ -355,7 +361,7 @@ static int fgds_buf_import(struct fgds_buf *buf,
 		goto out_unlock;
 	buf->pinned = true;
 
-	sgt = dma_buf_map_attachment(buf->attach, DMA_BIDIRECTIONAL);
+	sgt = dma_buf_map_attachment(buf->attach, fgds_buf_dma_dir(buf));
 	if (IS_ERR(sgt)) {
 		ret = PTR_ERR(sgt);
 		goto out_unlock;

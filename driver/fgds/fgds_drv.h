@@ -10,6 +10,7 @@
 #include <linux/bvec.h>
 #include <linux/cdev.h>
 #include <linux/device.h>
+#include <linux/dma-direction.h>
 #include <linux/dma-fence.h>
 #include <linux/fs.h>
 #include <linux/kref.h>
@@ -25,6 +26,15 @@
 #include <linux/xarray.h>
 
 #include "fgds_config.h"
+
+/*
+ * A registration's id is packed into vm_pgoff above bit 31 (FGDS_VM_SHIFT),
+ * which needs a 64-bit pgoff_t, and BARs are reserved write-combined through
+ * x86 PAT (arch_io_reserve_memtype_wc()).
+ */
+#if !defined(CONFIG_64BIT) || !defined(CONFIG_X86)
+#error "fgds supports x86-64 only"
+#endif
 
 struct fgds_io;
 struct io_uring_cmd;
@@ -203,11 +213,11 @@ struct fgds_extent {
 /**
  * struct fgds_fence - a registration's revocation fence
  * @base: the fence, added to the dma-buf's reservation object (usage
- *	KERNEL) when a revocation finds the pages still referenced; signalled
+ *	WRITE) when a revocation finds the pages still referenced; signalled
  *	once they are quiet
  * @lock: the fence's lock (kernels whose fences have no lock of their own)
- * @free_work: kernels that keep calling fence ops after signalling: frees
- *	the fence and drops its module reference from fgds's own workqueue
+ * @free_work: frees the fence and drops its module reference, from fgds's
+ *	own workqueue
  */
 struct fgds_fence {
 	struct dma_fence base;
@@ -319,6 +329,16 @@ struct fgds_buf {
 	bool users_done;
 };
 
+/*
+ * How DMA uses a registration's memory: a dma-buf opened read-only is only
+ * ever read (written to files), never written.
+ */
+static inline enum dma_data_direction
+fgds_buf_dma_dir(const struct fgds_buf *buf)
+{
+	return buf->readonly ? DMA_TO_DEVICE : DMA_BIDIRECTIONAL;
+}
+
 static inline pgoff_t fgds_buf_vm_pgoff(const struct fgds_buf *buf)
 {
 	return (pgoff_t)buf->vm_id << FGDS_VM_SHIFT;
@@ -333,6 +353,7 @@ extern int fgds_pages;
 
 extern struct address_space *fgds_mapping;
 extern struct workqueue_struct *fgds_wq;
+extern struct workqueue_struct *fgds_signal_wq;
 extern const struct file_operations fgds_fops;
 extern const struct attribute_group *fgds_gpu_groups[];
 

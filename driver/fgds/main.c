@@ -94,6 +94,7 @@ MODULE_PARM_DESC(pages,
  * because fences must be signalled without allocating memory.
  */
 struct workqueue_struct *fgds_wq;
+struct workqueue_struct *fgds_signal_wq;
 
 static dev_t fgds_devt;
 static struct class *fgds_class;
@@ -366,9 +367,21 @@ static int __init fgds_init(void)
 	fgds_wq = alloc_workqueue("fgds", WQ_UNBOUND | WQ_MEM_RECLAIM, 0);
 	if (!fgds_wq)
 		return -ENOMEM;
+	/*
+	 * The quiesce work alone, which signals revocation fences: nothing on
+	 * this queue ever waits for the reservation lock or for memory, so an
+	 * exporter waiting for a fence under that lock cannot hold it up.
+	 */
+	fgds_signal_wq = alloc_workqueue("fgds_signal",
+					 WQ_UNBOUND | WQ_MEM_RECLAIM | WQ_HIGHPRI,
+					 0);
+	if (!fgds_signal_wq) {
+		ret = -ENOMEM;
+		goto err_wq;
+	}
 	ret = fgds_mapping_init();
 	if (ret)
-		goto err_wq;
+		goto err_signal_wq;
 	ret = alloc_chrdev_region(&fgds_devt, 0, FGDS_MAX_MINORS, "fgds");
 	if (ret)
 		goto err_mapping;
@@ -390,6 +403,8 @@ err_region:
 	unregister_chrdev_region(fgds_devt, FGDS_MAX_MINORS);
 err_mapping:
 	fgds_mapping_exit();
+err_signal_wq:
+	destroy_workqueue(fgds_signal_wq);
 err_wq:
 	destroy_workqueue(fgds_wq);
 	return ret;
@@ -411,10 +426,15 @@ static void __exit fgds_exit(void)
 			break;
 		fgds_gpu_remove(gpu);
 	}
+	/* The quiesce work queues cleanup work: it goes first. */
+	destroy_workqueue(fgds_signal_wq);
 	/* Cleanup and fence work drop their module references last. */
 	destroy_workqueue(fgds_wq);
-	/* Readers of signalled fences' ops (FGDS_FENCE_OPS_DETACH). */
-	synchronize_rcu();
+	/*
+	 * Killing a registration's users queued an RCU callback of the
+	 * percpu_ref core that calls fgds_users_release(), module text.
+	 */
+	rcu_barrier();
 	class_destroy(fgds_class);
 	unregister_chrdev_region(fgds_devt, FGDS_MAX_MINORS);
 	ida_destroy(&fgds_minors);

@@ -7,14 +7,20 @@
  * memory again, and the exporter gets the memory back only when that holds.
  * No timer ends that wait.
  *
- * The invalidation callback never sleeps for I/O. Under the reservation lock
- * it marks the registration revoked (the fault handler checks the flag under
- * buf->lock, so no PTE appears afterwards) and zaps every user mapping of it
+ * The invalidation callback never sleeps for I/O, under any failure. Under
+ * the reservation lock it marks the registration revoked (the fault handler
+ * checks the flag under buf->lock, so no PTE appears afterwards) and zaps
+ * every user mapping of it
  * (later CPU access gets SIGBUS, later I/O EFAULT). If the pages are quiet it
  * unmaps and unpins the dma-buf right away. Otherwise (I/O in flight, or
  * pages spliced into a pipe) it adds the registration's fence to the
- * reservation object, usage KERNEL so that every waiter sees it, and puts the
- * registration on its GPU's pending list. The exporter waits for that fence
+ * reservation object and puts the registration on its GPU's pending list.
+ * The fence's usage is WRITE: it stands for the DMA of an importer's
+ * userspace I/O, which may write the memory, and include/linux/dma-buf.h
+ * (struct dma_buf, @resv: "Drivers may just always add a write fence")
+ * gives an importer's access that usage; KERNEL is for the kernel's own
+ * memory management (include/linux/dma-resv.h, enum dma_resv_usage).
+ * Exporters that move or reuse memory wait for every usage (BOOKKEEP). The exporter waits for that fence
  * before it reuses the memory, as vfio-pci and vgpu do.
  *
  * The quiesce work polls the pending list. Once a registration's pages are
@@ -26,10 +32,11 @@
  *
  * Exporters wait for the fence while holding the reservation lock (vfio-pci
  * does), so the quiesce work takes no lock that anyone holds while waiting
- * for a fence or while allocating memory: only gpu->pending_lock. It runs on
- * fgds_wq, which has a rescuer (WQ_MEM_RECLAIM), and it is annotated as a
- * fence-signalling critical section for lockdep. The cleanup, which needs
- * the reservation lock, runs as a separate work item.
+ * for a fence or while allocating memory: only gpu->pending_lock. It runs
+ * alone on fgds_signal_wq, which has a rescuer (WQ_MEM_RECLAIM) and nothing
+ * else that could block it, and it is annotated as a fence-signalling
+ * critical section for lockdep. The cleanup, which needs the reservation
+ * lock, runs on fgds_wq.
  *
  * Released registrations (no registry entry, no VMA) whose pages are still
  * referenced go on the same pending list, without a fence: they keep the
@@ -73,11 +80,13 @@ static const char *fgds_fence_timeline_name(struct dma_fence *fence)
 	return "revocation";
 }
 
-#ifndef FGDS_FENCE_OPS_DETACH
 /*
- * These kernels call a fence's ops for as long as it lives: it holds a module
- * reference, dropped from fgds's own workqueue (which module exit flushes) so
- * that no fgds code runs after the last one.
+ * Whether the dma-buf core calls a fence's ops after it was signalled
+ * depends on the kernel (7.x drops the ops of a signalled fence that has no
+ * release op), a rule inside drivers/dma-buf that no compile probe sees. So
+ * on every kernel a published fence has a release op and holds a module
+ * reference, dropped from fgds's own workqueue (which module exit flushes)
+ * so that no fgds code runs after the last one.
  */
 static void fgds_fence_free_fn(struct work_struct *work)
 {
@@ -95,19 +104,14 @@ static void fgds_fence_release(struct dma_fence *fence)
 	INIT_WORK(&f->free_work, fgds_fence_free_fn);
 	queue_work(fgds_wq, &f->free_work);
 }
-#endif
 
-/*
- * Where signalled fences drop their ops (FGDS_FENCE_OPS_DETACH), a fence
- * without release and wait ops is freed by the core and never calls into
- * fgds once signalled; module exit waits for an RCU grace period.
- */
+/* The core frees a fence with kfree_rcu() of its @base (7.x): first, then. */
+static_assert(offsetof(struct fgds_fence, base) == 0);
+
 static const struct dma_fence_ops fgds_fence_ops = {
 	.get_driver_name = fgds_fence_driver_name,
 	.get_timeline_name = fgds_fence_timeline_name,
-#ifndef FGDS_FENCE_OPS_DETACH
 	.release = fgds_fence_release,
-#endif
 };
 
 /**
@@ -143,8 +147,31 @@ void fgds_fence_discard(struct fgds_buf *buf)
 enum fgds_fence_state {
 	FGDS_FENCE_PUBLISHED,	/* in the reservation object (now or before) */
 	FGDS_FENCE_NOT_NEEDED,	/* the quiesce work found the pages quiet */
-	FGDS_FENCE_FAILED,	/* no slot, or the module is going away */
 };
+
+/*
+ * A slot for one more fence in the reservation object; dmabuf->resv held.
+ * dma_resv_reserve_fences() allocates only when the object's list is full,
+ * and a slot reserved earlier does not survive the lock's release (debug
+ * kernels shrink the list at unlock), so it cannot be set aside at
+ * registration. Without one the exporter would reuse memory that I/O still
+ * reaches, so this waits for memory, as any allocation with __GFP_NOFAIL
+ * would, and never for I/O: logged once per registration.
+ */
+static void fgds_fence_reserve_locked(struct fgds_buf *buf)
+{
+	struct dma_resv *resv = buf->dmabuf->resv;
+	bool told = false;
+
+	while (dma_resv_reserve_fences(resv, 1)) {
+		if (!told)
+			dev_warn(&buf->gpu->dev,
+				 "no memory for the revocation fence of a buffer of %s; retrying\n",
+				 buf->owner);
+		told = true;
+		memalloc_retry_wait(GFP_KERNEL);
+	}
+}
 
 /*
  * Adds the revocation fence to the reservation object; dmabuf->resv held.
@@ -163,26 +190,27 @@ static enum fgds_fence_state fgds_fence_publish_locked(struct fgds_buf *buf)
 
 	if (buf->fence_live)
 		return FGDS_FENCE_PUBLISHED;
-	if (!f || dma_resv_reserve_fences(resv, 1))
-		return FGDS_FENCE_FAILED;
-#ifndef FGDS_FENCE_OPS_DETACH
-	if (!try_module_get(THIS_MODULE))
-		return FGDS_FENCE_FAILED;
-#endif
+	/* Allocated at registration, and only ever published once. */
+	if (WARN_ON_ONCE(!f))
+		return FGDS_FENCE_NOT_NEEDED;
+	fgds_fence_reserve_locked(buf);
+	/*
+	 * The registration holds a module reference, through its open file
+	 * or, once released, its place on the pending list.
+	 */
+	__module_get(THIS_MODULE);
 	spin_lock(&gpu->pending_lock);
 	if (buf->quiet) {
 		state = FGDS_FENCE_NOT_NEEDED;
 	} else {
 		dma_fence_init(&f->base, &fgds_fence_ops, &f->lock,
 			       dma_fence_context_alloc(1), 1);
-		dma_resv_add_fence(resv, &f->base, DMA_RESV_USAGE_KERNEL);
+		dma_resv_add_fence(resv, &f->base, DMA_RESV_USAGE_WRITE);
 		buf->fence_live = true;
 	}
 	spin_unlock(&gpu->pending_lock);
-#ifndef FGDS_FENCE_OPS_DETACH
 	if (state != FGDS_FENCE_PUBLISHED)
 		module_put(THIS_MODULE);
-#endif
 	return state;
 }
 
@@ -190,25 +218,25 @@ static void fgds_gpu_kick(struct fgds_gpu *gpu, unsigned long delay)
 {
 	/* A queued run holds a reference on the GPU. */
 	get_device(&gpu->dev);
-	if (!queue_delayed_work(fgds_wq, &gpu->quiesce, delay))
+	if (!queue_delayed_work(fgds_signal_wq, &gpu->quiesce, delay))
 		put_device(&gpu->dev);
 }
 
 /*
  * Puts a registration whose pages are still referenced on the GPU's pending
  * list; dmabuf->resv held. A registration not yet released is kept alive by
- * a reference of the list's; a released one is owned by the list. Returns
- * false, leaving it off the list, when the module is going away.
+ * a reference of the list's; a released one is owned by the list. The list
+ * entry holds a module reference: the caller's registration holds one until
+ * then (its open file, or, in munmap(), the VMA's file).
  */
-static bool fgds_buf_add_pending(struct fgds_buf *buf)
+static void fgds_buf_add_pending(struct fgds_buf *buf)
 {
 	struct fgds_gpu *gpu = buf->gpu;
 
 	dma_resv_assert_held(buf->dmabuf->resv);
 	if (buf->pending)
-		return true;
-	if (!try_module_get(THIS_MODULE))
-		return false;
+		return;
+	__module_get(THIS_MODULE);
 	if (!buf->released && kref_get_unless_zero(&buf->ref))
 		buf->pending_ref = true;
 	buf->pending = true;
@@ -218,7 +246,6 @@ static bool fgds_buf_add_pending(struct fgds_buf *buf)
 	list_add_tail(&buf->pending_node, &gpu->pending);
 	spin_unlock(&gpu->pending_lock);
 	fgds_gpu_kick(gpu, FGDS_QUIESCE_MIN);
-	return true;
 }
 
 /*
@@ -236,7 +263,7 @@ static void fgds_fence_retire_locked(struct fgds_buf *buf)
 	dma_fence_signal(&buf->fence->base);
 	stub = dma_fence_get_stub();
 	dma_resv_replace_fences(resv, buf->fence->base.context, stub,
-				DMA_RESV_USAGE_KERNEL);
+				DMA_RESV_USAGE_WRITE);
 	dma_fence_put(stub);
 	dma_fence_put(&buf->fence->base);
 	buf->fence = NULL;
@@ -255,37 +282,12 @@ void fgds_buf_unmap_locked(struct fgds_buf *buf)
 	dma_resv_assert_held(buf->dmabuf->resv);
 	if (buf->sgt) {
 		dma_buf_unmap_attachment(buf->attach, buf->sgt,
-					 DMA_BIDIRECTIONAL);
+					 fgds_buf_dma_dir(buf));
 		buf->sgt = NULL;
 	}
 	if (buf->pinned) {
 		dma_buf_unpin(buf->attach);
 		buf->pinned = false;
-	}
-}
-
-/*
- * Waits in the invalidation callback itself, the one case where fgds sleeps
- * for I/O there: the fence could not be added. No timeout.
- */
-static void fgds_buf_wait_quiet_locked(struct fgds_buf *buf)
-{
-	unsigned long warn_at = jiffies +
-				msecs_to_jiffies(fgds_revoke_timeout_ms);
-	unsigned int us = 50;
-
-	dev_warn(&buf->gpu->dev,
-		 "cannot add a revocation fence to the dma-buf of %s; waiting for its I/O in the invalidation callback\n",
-		 buf->owner);
-	while (!fgds_buf_quiet(buf, NULL)) {
-		if (time_after(jiffies, warn_at)) {
-			dev_warn(&buf->gpu->dev,
-				 "pages of a revoked buffer of %s still referenced; still waiting\n",
-				 buf->owner);
-			warn_at = jiffies + FGDS_HOLDER_REPORT;
-		}
-		usleep_range(us, 2 * us);
-		us = min(us * 2, 20000U);
 	}
 }
 
@@ -321,24 +323,15 @@ void fgds_buf_revoke_locked(struct fgds_buf *buf)
 	 * is left to wait for.
 	 */
 	if (buf->pending) {
-		switch (fgds_fence_publish_locked(buf)) {
-		case FGDS_FENCE_PUBLISHED:
+		if (fgds_fence_publish_locked(buf) == FGDS_FENCE_PUBLISHED)
 			return;
-		case FGDS_FENCE_FAILED:
-			fgds_buf_wait_quiet_locked(buf);
-			break;
-		case FGDS_FENCE_NOT_NEEDED:
-			break;
-		}
 		fgds_buf_unmap_locked(buf);
 		return;
 	}
-	if (!fgds_buf_quiet(buf, NULL)) {
-		if (fgds_fence_publish_locked(buf) == FGDS_FENCE_PUBLISHED &&
-		    fgds_buf_add_pending(buf))
-			return;
-		fgds_buf_wait_quiet_locked(buf);
-		fgds_fence_retire_locked(buf);
+	if (!fgds_buf_quiet(buf, NULL) &&
+	    fgds_fence_publish_locked(buf) == FGDS_FENCE_PUBLISHED) {
+		fgds_buf_add_pending(buf);
+		return;
 	}
 	fgds_buf_unmap_locked(buf);
 	fgds_buf_reap(buf);
@@ -386,10 +379,8 @@ void fgds_buf_let_go(struct fgds_buf *buf)
 		return;
 	}
 	quiet = fgds_buf_quiet(buf, NULL);
-	if (!quiet && !fgds_buf_add_pending(buf)) {
-		fgds_buf_wait_quiet_locked(buf);
-		quiet = true;
-	}
+	if (!quiet)
+		fgds_buf_add_pending(buf);
 	if (quiet) {
 		fgds_buf_unmap_locked(buf);
 		/*

@@ -171,17 +171,6 @@ static inline void fgds_vm_flags_clear(struct vm_area_struct *vma,
 #endif
 
 /*
- * A signalled fence without release and wait ops drops its ops pointer
- * (RCU-protected) and is freed by the dma-buf core, so it never calls into
- * the module that created it again (7.x: dma_fence_signal_timestamp_locked()).
- * Before, the core calls a fence's ops for as long as it lives. The pointer's
- * __rcu annotation is the only trace in the headers, which only sparse sees.
- */
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(7, 0, 0)
-#define FGDS_FENCE_OPS_DETACH 1
-#endif
-
-/*
  * Where the block layer maps a whole request the way its first segment needs
  * (a P2P bus address, or an ordinary DMA mapping), GPU and RAM segments must
  * never share a request (gate.c). Before, nvme-pci mapped requests with

@@ -122,6 +122,7 @@ struct Job<'a> {
 }
 
 /// One sub-request: where it is in the range and how much of it is done.
+#[derive(Clone)]
 struct Chunk {
     start: usize,
     len: usize,
@@ -199,7 +200,6 @@ impl Transfer {
         } else {
             TransferPath::Mapped
         };
-        self.last_path = Some(path);
         let job = Job {
             dir,
             buffer,
@@ -208,7 +208,25 @@ impl Transfer {
             file_offset,
             path,
         };
-        run_job(&mut ring.uring, self.config, &job, chunks, op, total)
+        self.last_path = Some(path);
+        match run_job(&mut ring.uring, self.config, &job, chunks.clone(), op, total) {
+            // fgds refuses its commands for this file (driver/fgds/gate.c: a queue that may
+            // merge, a device it cannot check) before moving a byte; the mapped address goes
+            // through the kernel's own P2PDMA checks for user pages, which may take it.
+            Err(err)
+                if path == TransferPath::Command
+                    && err.errno() == libc::EREMOTEIO
+                    && err.bytes_done() == 0 =>
+            {
+                let job = Job {
+                    path: TransferPath::Mapped,
+                    ..job
+                };
+                self.last_path = Some(TransferPath::Mapped);
+                run_job(&mut ring.uring, self.config, &job, chunks, op, total)
+            }
+            done => done,
+        }
     }
 
     /// Whether the last [`Transfer::run`] went through the ring's fixed-buffer slot

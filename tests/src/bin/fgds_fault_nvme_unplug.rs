@@ -73,7 +73,11 @@ fn nvme2_path() -> anyhow::Result<PathBuf> {
         .map(PathBuf::from)
         .context("FGDS_NVME2 is not set: run inside the rig")?;
     match drive_by_serial(NVME2_SERIAL) {
-        Some(dev) if dev == env => Ok(dev),
+        Some(dev) if dev == env => {
+            // Rebound by an earlier program (fgds_revoke), the drive's queue may merge again.
+            guest::no_merges(&dev)?;
+            Ok(dev)
+        }
         Some(dev) => bail!(
             "FGDS_NVME2 is {} but the drive of serial {NVME2_SERIAL} is {}",
             env.display(),
@@ -192,8 +196,10 @@ fn nvme_unplug_during_direct_io() -> CaseResult {
                 "the replugged drive's block device",
                 Duration::from_secs(30),
                 || Ok(drive_by_serial(NVME2_SERIAL).is_some()),
-            )
-            .map(drop)
+            )?;
+            // A new queue merges again: fgds's reads of it need nomerges 2 (gate.c).
+            let dev = drive_by_serial(NVME2_SERIAL).context("the replugged drive went away")?;
+            guest::no_merges(&dev)
         })
     } else {
         Ok(())
