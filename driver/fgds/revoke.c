@@ -20,8 +20,8 @@
  * (struct dma_buf, @resv: "Drivers may just always add a write fence")
  * gives an importer's access that usage; KERNEL is for the kernel's own
  * memory management (include/linux/dma-resv.h, enum dma_resv_usage).
- * Exporters that move or reuse memory wait for every usage (BOOKKEEP). The exporter waits for that fence
- * before it reuses the memory, as vfio-pci and vgpu do.
+ * The exporter waits for that fence before it reuses the memory: vfio-pci
+ * and vgpu wait for every usage (BOOKKEEP).
  *
  * The quiesce work polls the pending list. Once a registration's pages are
  * quiet it signals the fence and queues the registration's cleanup work,
