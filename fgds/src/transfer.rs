@@ -209,7 +209,14 @@ impl Transfer {
             path,
         };
         self.last_path = Some(path);
-        match run_job(&mut ring.uring, self.config, &job, chunks.clone(), op, total) {
+        match run_job(
+            &mut ring.uring,
+            self.config,
+            &job,
+            chunks.clone(),
+            op,
+            total,
+        ) {
             // fgds refuses its commands for this file (driver/fgds/gate.c: a queue that may
             // merge, a device it cannot check) before moving a byte; the mapped address goes
             // through the kernel's own P2PDMA checks for user pages, which may take it.

@@ -113,7 +113,11 @@ fn io_arg(idx: u64, len: u64, fd: i32, file_offset: u64) -> uapi::Io {
 
 /// One `FGDS_URING_CMD_READ`/`WRITE` on a ring of its own: bytes moved or the errno; None where
 /// this kernel's io_uring cannot carry fgds's commands (EOPNOTSUPP, Linux 6.1).
-fn command_io(node: &File, write: bool, arg: &uapi::Io) -> anyhow::Result<Option<Result<usize, i32>>> {
+fn command_io(
+    node: &File,
+    write: bool,
+    arg: &uapi::Io,
+) -> anyhow::Result<Option<Result<usize, i32>>> {
     let mut ring = IoUring::<Entry128>::builder()
         .build(2)
         .context("io_uring_setup with 128-byte entries")?;
@@ -354,11 +358,7 @@ fn zram() -> anyhow::Result<PathBuf> {
     Ok(PathBuf::from("/dev/zram0"))
 }
 
-fn ram_disk_refused(
-    what: &str,
-    option: &str,
-    dev: fn() -> anyhow::Result<PathBuf>,
-) -> CaseResult {
+fn ram_disk_refused(what: &str, option: &str, dev: fn() -> anyhow::Result<PathBuf>) -> CaseResult {
     if !kernel_has(option) {
         return ktap::skip(format!("the kernel has no {what} ({option})"));
     }
@@ -366,7 +366,11 @@ fn ram_disk_refused(
     let path = dev()?;
     let file = open_rw(&wait_for_node(&path).map(|_| path.clone())?)?;
     let reg = registration(MIB)?;
-    require_refused(&reg, file.as_raw_fd(), &format!("{what} ({})", path.display()))?;
+    require_refused(
+        &reg,
+        file.as_raw_fd(),
+        &format!("{what} ({})", path.display()),
+    )?;
     drop((reg, file));
     fault::wait_counters_zero("after the case")?;
     ktap::pass()
@@ -396,7 +400,10 @@ fn dm_ioctl(nr: u8, name: &str, flags: u32, payload: &[u8], targets: u32) -> any
     let req = (3u64 << 30) | ((DM_HDR as u64) << 16) | (0xfd << 8) | nr as u64;
     // SAFETY: the buffer is data_size bytes long, as the header says.
     if unsafe { libc::ioctl(control.as_raw_fd(), req as libc::c_ulong, buf.as_mut_ptr()) } != 0 {
-        bail!("DM ioctl {nr} for {name}: {}", std::io::Error::last_os_error());
+        bail!(
+            "DM ioctl {nr} for {name}: {}",
+            std::io::Error::last_os_error()
+        );
     }
     Ok(u64::from_ne_bytes(buf[40..48].try_into()?))
 }
@@ -412,7 +419,11 @@ impl Dm {
             name: name.to_owned(),
             path: PathBuf::new(),
         };
-        let params = format!("aes-cbc-plain {} 0 {} 0\0", "00".repeat(32), backing.display());
+        let params = format!(
+            "aes-cbc-plain {} 0 {} 0\0",
+            "00".repeat(32),
+            backing.display()
+        );
         let mut spec = vec![0u8; 40];
         spec[8..16].copy_from_slice(&sectors.to_ne_bytes());
         let next = (40 + params.len()).next_multiple_of(8);
@@ -467,7 +478,13 @@ fn revocation_not_held_by_a_full_pipe() -> CaseResult {
     let (r, w) = pipe(libc::O_DIRECT)?;
     // Fill the pipe: non-blocking for the fill only.
     // SAFETY: fcntl on our own descriptor.
-    unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK | libc::O_DIRECT) };
+    unsafe {
+        libc::fcntl(
+            w.as_raw_fd(),
+            libc::F_SETFL,
+            libc::O_NONBLOCK | libc::O_DIRECT,
+        )
+    };
     let mut w_file = File::from(w);
     let chunk = [0u8; 4096];
     let mut filled = 0;
@@ -497,7 +514,9 @@ fn revocation_not_held_by_a_full_pipe() -> CaseResult {
         let _ = std::io::Read::read(&mut r_file, &mut sink);
         std::thread::sleep(Duration::from_millis(5));
     }
-    let written = writer.join().map_err(|_| anyhow::anyhow!("writer panicked"))?;
+    let written = writer
+        .join()
+        .map_err(|_| anyhow::anyhow!("writer panicked"))?;
     revoker
         .join()
         .map_err(|_| anyhow::anyhow!("revoker panicked"))?
@@ -522,7 +541,9 @@ fn revocation_not_held_by_a_full_pipe() -> CaseResult {
 /// FGDS_BLK_MAPS_BY_FIRST_SEGMENT, which a compile probe decides).
 fn maps_by_first_segment() -> anyhow::Result<bool> {
     let release = common::kernel_release()?;
-    let mut parts = release.split(['.', '-']).map(|p| p.parse::<u32>().unwrap_or(0));
+    let mut parts = release
+        .split(['.', '-'])
+        .map(|p| p.parse::<u32>().unwrap_or(0));
     let series = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
     Ok(series >= (6, 17))
 }
@@ -549,7 +570,11 @@ fn merging_queue_refused() -> CaseResult {
     let reg = registration(MIB)?;
     let nvme = common::nvme(true)?;
     std::fs::write(&nomerges, "0")?;
-    let got = ioctl_io(&reg.node, false, &io_arg(reg.idx, 64 * 1024, nvme.as_raw_fd(), SCRATCH));
+    let got = ioctl_io(
+        &reg.node,
+        false,
+        &io_arg(reg.idx, 64 * 1024, nvme.as_raw_fd(), SCRATCH),
+    );
     std::fs::write(&nomerges, before.trim())?;
     let p2pdma_pages = fgds_tests::guest::expected_mode()? != "generic";
     let refuse = maps_by_first_segment()? && p2pdma_pages;
@@ -639,9 +664,8 @@ fn alternate(reg: &Reg, area: u64, piece: u64, pieces: u64) -> anyhow::Result<()
         .build(64)
         .context("io_uring_setup with 128-byte entries")?;
     let gpu_at = |i: u64| area * 2 * MIB + i / 2 * piece;
-    let ram_ptr = |ram: &mut AlignedBuf, i: u64| {
-        ram.as_mut_slice()[(i / 2 * piece) as usize..].as_mut_ptr()
-    };
+    let ram_ptr =
+        |ram: &mut AlignedBuf, i: u64| ram.as_mut_slice()[(i / 2 * piece) as usize..].as_mut_ptr();
     for write in [false, true] {
         let drive = area_at(area) + if write { 16 * MIB } else { 0 };
         for i in 0..pieces {

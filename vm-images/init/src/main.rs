@@ -370,7 +370,10 @@ fn prepare_drives() -> (Drives, Vec<String>) {
     }
     // fgds's own reads and writes need queues that never merge on kernels that map a request
     // by its first segment (driver/fgds/gate.c); the rig sets it on every kernel alike.
-    for dev in [&drives.nvme, &drives.ext4, &drives.nvme2].into_iter().flatten() {
+    for dev in [&drives.nvme, &drives.ext4, &drives.nvme2]
+        .into_iter()
+        .flatten()
+    {
         if let Err(err) = set_nomerges(dev) {
             errors.push(err);
         }
