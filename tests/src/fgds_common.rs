@@ -132,6 +132,19 @@ pub fn ioctl_io(node: &File, write: bool, arg: &uapi::Io) -> Result<usize, i32> 
     }
 }
 
+/// The SQE of one `FGDS_URING_CMD_READ` (`write` false) or `WRITE` on `node`, for a ring of
+/// 128-byte entries; the command carries `arg` inline.
+pub fn io_cmd(node: &File, write: bool, arg: &uapi::Io) -> io_uring::squeue::Entry128 {
+    let op = if write {
+        uapi::URING_CMD_WRITE
+    } else {
+        uapi::URING_CMD_READ
+    };
+    io_uring::opcode::UringCmd80::new(io_uring::types::Fd(node.as_raw_fd()), op)
+        .cmd(arg.to_cmd())
+        .build()
+}
+
 /// A mapping made with raw mmap(2) flags; unmapped on drop (what is left of it).
 pub struct Map {
     pub ptr: *mut u8,

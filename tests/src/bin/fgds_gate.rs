@@ -121,7 +121,7 @@ fn command_io(
     let mut ring = IoUring::<Entry128>::builder()
         .build(2)
         .context("io_uring_setup with 128-byte entries")?;
-    let sqe = fgds_cmd(node, write, arg);
+    let sqe = common::io_cmd(node, write, arg);
     // SAFETY: the command carries its argument inline; it refers to no memory.
     unsafe { ring.submission().push(&sqe) }.context("submission queue full")?;
     ring.submit_and_wait(1)?;
@@ -131,17 +131,6 @@ fn command_io(
         Some(res) => Ok(Some(Err(-res))),
         None => bail!("no completion for the command"),
     }
-}
-
-fn fgds_cmd(node: &File, write: bool, arg: &uapi::Io) -> Entry128 {
-    let op = if write {
-        uapi::URING_CMD_WRITE
-    } else {
-        uapi::URING_CMD_READ
-    };
-    opcode::UringCmd80::new(types::Fd(node.as_raw_fd()), op)
-        .cmd(arg.to_cmd())
-        .build()
 }
 
 /// fgds's four ways (ioctl and command, read and write) with `fd` at `file_offset`: each must
@@ -470,11 +459,8 @@ fn dm_crypt_refused() -> CaseResult {
 /// would hold the revocation until the pipe is drained (the case drains it after the bound).
 fn revocation_not_held_by_a_full_pipe() -> CaseResult {
     fault::require_idle()?;
-    const LEN: u64 = 2 * MIB;
-    let node = common::open_node()?;
-    let vgpu = common::vgpu()?;
-    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
-    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    let reg = registration(2 * MIB)?;
+    let (idx, bar_off) = (reg.idx, reg.bar_off);
     let (r, w) = pipe(libc::O_DIRECT)?;
     // Fill the pipe: non-blocking for the fill only.
     // SAFETY: fcntl on our own descriptor.
@@ -494,7 +480,7 @@ fn revocation_not_held_by_a_full_pipe() -> CaseResult {
     // SAFETY: as above; blocking again, so that an admitted write would wait.
     unsafe { libc::fcntl(w_file.as_raw_fd(), libc::F_SETFL, libc::O_DIRECT) };
     ktap::diag(format_args!("the pipe holds {filled} packets of 4 KiB"));
-    let node2 = node.try_clone()?;
+    let node2 = reg.node.try_clone()?;
     let wfd = w_file.as_raw_fd();
     let writer = std::thread::spawn(move || ioctl_io(&node2, true, &io_arg(idx, 4096, wfd, 0)));
     std::thread::sleep(Duration::from_millis(200));
@@ -531,7 +517,7 @@ fn revocation_not_held_by_a_full_pipe() -> CaseResult {
         "FGDS_IOCTL_WRITE into a full O_DIRECT pipe gave {written:?}, want Err(EREMOTEIO)"
     );
     ktap::diag(format_args!("the revocation took {took:?}"));
-    drop((node, dmabuf, w_file));
+    drop((reg, w_file));
     fault::wait_counters_zero("after the case")?;
     ktap::pass()
 }
@@ -673,7 +659,7 @@ fn alternate(reg: &Reg, area: u64, piece: u64, pieces: u64) -> anyhow::Result<()
             let sqe: Entry128 = if i % 2 == 0 {
                 let mut arg = io_arg(reg.idx, piece, nvme.as_raw_fd(), off);
                 arg.offset = gpu_at(i);
-                fgds_cmd(&reg.node, write, &arg)
+                common::io_cmd(&reg.node, write, &arg)
             } else {
                 let ptr = ram_ptr(&mut ram, i);
                 let e: Entry = if write {

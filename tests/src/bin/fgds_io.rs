@@ -98,7 +98,7 @@ fn has_commands(node: &File) -> anyhow::Result<bool> {
     let mut ring = IoUring::<Entry128>::builder()
         .build(2)
         .context("io_uring_setup with 128-byte entries")?;
-    let sqe = io_cmd(node, false, &uapi::Io::default());
+    let sqe = common::io_cmd(node, false, &uapi::Io::default());
     // SAFETY: the command carries its argument inline; it refers to no memory.
     unsafe { ring.submission().push(&sqe) }.context("submission queue full")?;
     ring.submit_and_wait(1)?;
@@ -116,7 +116,7 @@ fn command_io(node: &File, write: bool, arg: &uapi::Io) -> Result<usize, i32> {
         return Err(libc::ENOMEM);
     };
     // SAFETY: the command carries its argument inline; it refers to no memory.
-    if unsafe { ring.submission().push(&io_cmd(node, write, arg)) }.is_err() {
+    if unsafe { ring.submission().push(&common::io_cmd(node, write, arg)) }.is_err() {
         return Err(libc::EBUSY);
     }
     if let Err(err) = ring.submit_and_wait(1) {
@@ -127,17 +127,6 @@ fn command_io(node: &File, write: bool, arg: &uapi::Io) -> Result<usize, i32> {
         Some(res) => Err(-res),
         None => Err(libc::EIO),
     }
-}
-
-fn io_cmd(node: &File, write: bool, arg: &uapi::Io) -> Entry128 {
-    let op = if write {
-        uapi::URING_CMD_WRITE
-    } else {
-        uapi::URING_CMD_READ
-    };
-    opcode::UringCmd80::new(types::Fd(node.as_raw_fd()), op)
-        .cmd(arg.to_cmd())
-        .build()
 }
 
 /// Reads the drive into part of a registration and writes another part back, through the
@@ -347,7 +336,7 @@ fn uring_commands_many_in_flight() -> CaseResult {
                 // Pieces in reverse order of the drive's, so a mix-up shows.
                 let at = LEN - (next + 1) * PIECE;
                 let arg = io_arg(idx, at, PIECE, &nvme, file_base + at);
-                let sqe = io_cmd(&node, write, &arg).user_data(next);
+                let sqe = common::io_cmd(&node, write, &arg).user_data(next);
                 // SAFETY: the command carries its argument inline; it refers to no memory.
                 unsafe { ring.submission().push(&sqe) }.context("submission queue full")?;
                 next += 1;
