@@ -555,13 +555,18 @@ fn merging_queue_refused() -> CaseResult {
     let before = std::fs::read_to_string(&nomerges)?;
     let reg = registration(MIB)?;
     let nvme = common::nvme(true)?;
+    fault::write_nvme_pattern(SEED_GPU, MIB as usize, SCRATCH)?;
     std::fs::write(&nomerges, "0")?;
     let got = ioctl_io(
         &reg.node,
         false,
         &io_arg(reg.idx, 64 * 1024, nvme.as_raw_fd(), SCRATCH),
     );
+    let crate_read = crate_read_while_merging(&nvme);
     std::fs::write(&nomerges, before.trim())?;
+    let (path, bar_off) = crate_read?;
+    ktap::diag(format_args!("the crate's Transfer took {path:?}"));
+    ctl::gpu_check(bar_off, MIB, SEED_GPU).context("GPU memory after the crate's read")?;
     let p2pdma_pages = fgds_tests::guest::expected_mode()? != "generic";
     let refuse = maps_by_first_segment()? && p2pdma_pages;
     match (refuse, got) {
@@ -573,9 +578,42 @@ fn merging_queue_refused() -> CaseResult {
         ),
         (false, got) => bail!("a read from a queue that may merge gave {got:?}, want 65536 bytes"),
     }
+    // Refused commands: the crate's Transfer takes the mapped address, whose user pages the
+    // kernel keeps out of merges itself (REQ_NOMERGE); else the commands (none on 6.1).
+    let want = if refuse || command_io(&reg.node, false, &uapi::Io::default())?.is_none() {
+        fgds::TransferPath::Mapped
+    } else {
+        fgds::TransferPath::Command
+    };
+    ensure!(
+        path == Some(want),
+        "the crate's Transfer went {path:?}, want {want:?}"
+    );
     drop((reg, nvme));
     fault::wait_counters_zero("after the case")?;
     ktap::pass()
+}
+
+/// 1 MiB of the raw drive into a new registration through the crate's `Transfer`: the path it
+/// took and where the buffer lies in BAR2.
+fn crate_read_while_merging(nvme: &File) -> anyhow::Result<(Option<fgds::TransferPath>, u64)> {
+    let gpu = fgds::Gpu::open(&common::vgpu_bdf()?)?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, MIB)?;
+    let buffer = gpu.register(dmabuf.as_fd(), 0, MIB)?;
+    let mut transfer = fgds::Transfer::new(fgds::TransferConfig {
+        chunk_size: 256 * 1024,
+        queue_depth: 4,
+    })?;
+    let n = transfer.run(
+        fgds::Direction::Read,
+        &buffer,
+        0..MIB as usize,
+        nvme,
+        SCRATCH,
+    )?;
+    ensure!(n == MIB as usize, "the crate's read moved {n} bytes");
+    Ok((transfer.last_run_path(), bar_off))
 }
 
 /// Adjacent 64 KiB ranges of the raw drive, even ones read into GPU memory by fgds's command,
