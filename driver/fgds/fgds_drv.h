@@ -128,6 +128,8 @@ struct fgds_geometry {
  * @pgmap: GENERIC mode: the pagemap fgds created
  * @order: pages per folio of the provider, as a power of two (GENERIC pages
  *	are 2 MiB folios; all others single pages)
+ * @idle_refs: references a page of the provider holds when nobody uses it,
+ *	read off the pages at setup (gpu.c, fgds_own_idle_refs())
  * @memtype_wc: fgds holds a write-combine memory type reservation on the BAR
  * @p2p_claim: P2PDMA mode: kernel address of the whole-BAR genpool claim;
  *	NULL where the pages are large folios, which are not in the genpool
@@ -167,6 +169,7 @@ struct fgds_gpu {
 	struct xarray user_pages;
 	struct dev_pagemap *pgmap;
 	unsigned int order;
+	unsigned int idle_refs;
 	bool memtype_wc;
 	void *p2p_claim;
 	void *p2p_group;
@@ -354,6 +357,7 @@ extern int fgds_pages;
 extern struct address_space *fgds_mapping;
 extern struct workqueue_struct *fgds_wq;
 extern struct workqueue_struct *fgds_signal_wq;
+extern struct workqueue_struct *fgds_io_wq;
 extern const struct file_operations fgds_fops;
 extern const struct attribute_group *fgds_gpu_groups[];
 
@@ -399,6 +403,11 @@ void fgds_cleanup_fn(struct work_struct *work);
  * @nr: entries in @bv
  * @bv: the registration's bytes as segments: @fast, or an array of its own
  * @fast: segments of a request that needs few
+ * @cred: (io_uring commands) the submitter's credentials, while its I/O is
+ *	issued again from fgds_io_wq
+ * @reissue: (io_uring commands) that issue's work
+ * @ended: (io_uring commands) that issue ended at once, its write ended
+ *	with it
  */
 struct fgds_io_req {
 	struct kiocb kiocb;
@@ -411,6 +420,9 @@ struct fgds_io_req {
 	unsigned int nr;
 	struct bio_vec *bv;
 	struct bio_vec fast[FGDS_IO_FAST_SEGS];
+	const struct cred *cred;
+	struct work_struct reissue;
+	bool ended;
 };
 
 /* rw.c */

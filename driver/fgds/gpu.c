@@ -503,6 +503,58 @@ static bool fgds_generic_allowed(struct fgds_gpu *gpu)
 	return false;
 }
 
+/*
+ * How many references a P2PDMA page that nobody uses holds: 1 up to 6.12,
+ * 0 from 7.x (the "fs/dax: Fix ZONE_DEVICE page reference counts" series).
+ * A rule of mm/ that no compile probe sees, and a backport would turn a
+ * wrong guess into pages handed back to their pool under DMA, so fgds reads
+ * it off the pages themselves: its own, after it created and claimed them
+ * and before it takes its references (allocation from the genpool leaves
+ * the count alone, drivers/pci/p2pdma.c pci_alloc_p2pmem()).
+ */
+static unsigned int fgds_own_idle_refs(struct fgds_gpu *gpu)
+{
+	int refs = folio_ref_count(fgds_unit_folio(gpu, 0));
+
+	/* Pages fgds has just made: nobody else can hold one. */
+	WARN_ON_ONCE(refs != 0 && refs != 1);
+	return refs;
+}
+
+#ifdef CONFIG_PCI_P2PDMA
+/*
+ * The same for the exporter's pages: one page of its pool, allocated and
+ * freed again for the purpose. -EAGAIN (not a lasting refusal) while the
+ * pool has no free page.
+ */
+static int fgds_exporter_idle_refs(struct fgds_gpu *gpu)
+{
+	void *p = pci_alloc_p2pmem(gpu->pdev, PAGE_SIZE);
+	int refs;
+
+	if (!p) {
+		pci_err(gpu->pdev,
+			"fgds: the exporter's P2PDMA pool has no free page, so fgds cannot tell how its pages idle; open the node again once some memory is free\n");
+		return -EAGAIN;
+	}
+	refs = page_ref_count(virt_to_page(p));
+	pci_free_p2pmem(gpu->pdev, p, PAGE_SIZE);
+	if (refs != 0 && refs != 1) {
+		pci_err(gpu->pdev,
+			"fgds: a free page of the exporter's P2PDMA pool holds %d references, not 0 or 1: unknown rules, refused\n",
+			refs);
+		return -EOPNOTSUPP;
+	}
+	gpu->idle_refs = refs;
+	return 0;
+}
+#else
+static int fgds_exporter_idle_refs(struct fgds_gpu *gpu)
+{
+	return -EOPNOTSUPP;
+}
+#endif
+
 static int fgds_setup_generic(struct fgds_gpu *gpu)
 {
 	struct dev_pagemap *pgmap;
@@ -538,6 +590,8 @@ static int fgds_setup_generic(struct fgds_gpu *gpu)
 	}
 	gpu->pgmap = pgmap;
 	gpu->order = pgmap->vmemmap_shift;
+	/* GENERIC pages idle at 1 on every kernel (7.x free_zone_device_folio()). */
+	gpu->idle_refs = 1;
 	return 0;
 
 err_free:
@@ -669,7 +723,7 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 		ret = fgds_reuse_p2pdma(gpu);
 	} else if (type == MEMORY_DEVICE_PCI_P2PDMA) {
 		mode = FGDS_MODE_EXPORTER_P2PDMA;
-		ret = 0;
+		ret = fgds_exporter_idle_refs(gpu);
 	} else if (type >= 0) {
 		pci_err(gpu->pdev,
 			"fgds: BAR %d already has struct pages of type %d from another driver; unload it\n",
@@ -685,6 +739,8 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 		return ret;
 
 	WRITE_ONCE(gpu->mode, mode);
+	if (mode == FGDS_MODE_P2PDMA)
+		gpu->idle_refs = fgds_own_idle_refs(gpu);
 	if (fgds_owns_pages(gpu))
 		fgds_pages_claim(gpu);
 	pci_info(gpu->pdev, "fgds: %s pages over BAR %d (%pa bytes, %lu KiB folios): %s\n",
@@ -727,8 +783,7 @@ void fgds_gpu_drop_pages(struct fgds_gpu *gpu)
 
 static unsigned int fgds_idle_refs(struct fgds_gpu *gpu)
 {
-	return gpu->mode == FGDS_MODE_GENERIC ? FGDS_GENERIC_IDLE_REFS :
-						FGDS_P2PDMA_IDLE_REFS;
+	return gpu->idle_refs;
 }
 
 /**

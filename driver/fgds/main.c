@@ -95,6 +95,7 @@ MODULE_PARM_DESC(pages,
  */
 struct workqueue_struct *fgds_wq;
 struct workqueue_struct *fgds_signal_wq;
+struct workqueue_struct *fgds_io_wq;
 
 static dev_t fgds_devt;
 static struct class *fgds_class;
@@ -379,9 +380,15 @@ static int __init fgds_init(void)
 		ret = -ENOMEM;
 		goto err_wq;
 	}
+	/* io_uring commands' I/O issued again, waiting, out of task work. */
+	fgds_io_wq = alloc_workqueue("fgds_io", WQ_UNBOUND, 0);
+	if (!fgds_io_wq) {
+		ret = -ENOMEM;
+		goto err_signal_wq;
+	}
 	ret = fgds_mapping_init();
 	if (ret)
-		goto err_signal_wq;
+		goto err_io_wq;
 	ret = alloc_chrdev_region(&fgds_devt, 0, FGDS_MAX_MINORS, "fgds");
 	if (ret)
 		goto err_mapping;
@@ -403,6 +410,8 @@ err_region:
 	unregister_chrdev_region(fgds_devt, FGDS_MAX_MINORS);
 err_mapping:
 	fgds_mapping_exit();
+err_io_wq:
+	destroy_workqueue(fgds_io_wq);
 err_signal_wq:
 	destroy_workqueue(fgds_signal_wq);
 err_wq:
@@ -426,6 +435,8 @@ static void __exit fgds_exit(void)
 			break;
 		fgds_gpu_remove(gpu);
 	}
+	/* Each reissue holds an io_uring command, so the node: none is left. */
+	destroy_workqueue(fgds_io_wq);
 	/* The quiesce work queues cleanup work: it goes first. */
 	destroy_workqueue(fgds_signal_wq);
 	/* Cleanup and fence work drop their module references last. */

@@ -29,6 +29,7 @@
 
 #include <linux/bvec.h>
 #include <linux/dma-buf.h>
+#include <linux/dma-fence.h>
 #include <linux/dma-resv.h>
 #include <linux/err.h>
 #include <linux/file.h>
@@ -307,10 +308,19 @@ ssize_t fgds_io_issue(struct fgds_io_req *req, struct iov_iter *iter)
 void fgds_io_release(struct fgds_io_req *req)
 {
 	struct fgds_buf *buf = req->buf;
+	bool cookie;
 
 	if (req->bv != req->fast)
 		kvfree(req->bv);
+	/*
+	 * A revocation fence may be waiting for this drop: from the I/O's end
+	 * to here nothing may wait for what a fence waiter holds (lockdep
+	 * checks it on the debug kernels). The file and the registration,
+	 * whose last reference may take the reservation lock, go after.
+	 */
+	cookie = dma_fence_begin_signalling();
 	fgds_buf_users_put(buf);
+	dma_fence_end_signalling(cookie);
 	fput(req->kiocb.ki_filp);
 	fgds_buf_put(buf);
 }

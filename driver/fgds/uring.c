@@ -10,7 +10,11 @@
  * worker, which may), completed by the file system's ->ki_complete(), which
  * hands the command to task work: there the request lets go of the
  * registration's @users and the file, and the CQE is posted. An I/O that
- * ended with -EAGAIN after it was queued is issued again from there, waiting.
+ * ended with -EAGAIN after it was queued is issued again, waiting, from
+ * fgds_io_wq with the submitter's credentials: task work runs under the
+ * ring's uring_lock, which nothing may hold while it waits for the block
+ * layer. Task work that runs because the task or its ring is going away
+ * (io_uring's cancel) issues nothing: the command ends with -ECANCELED.
  *
  * Where the kernel lets the owner of an io_uring kernel buffer end the access
  * itself (io_buffer_register_kbuf(), vm-images/kernel-patches/
@@ -40,6 +44,7 @@
 #include "fgds_compat.h"
 
 #include <linux/bvec.h>
+#include <linux/cred.h>
 #include <linux/module.h>
 #include <linux/slab.h>
 #include <linux/uio.h>
@@ -209,27 +214,59 @@ static int fgds_uring_slot(struct io_uring_cmd *cmd, unsigned int issue_flags)
 
 #ifdef FGDS_URING_CMD_RESULTS
 static void fgds_uring_io_complete(struct kiocb *kiocb, long ret);
+static FGDS_URING_TW_PROTO(fgds_uring_io_tw);
 
 /*
- * The I/O ended and its task work runs: the CQE, after everything is let go.
- * An I/O that could not be queued without waiting (IOCB_NOWAIT) is issued
- * again here, waiting.
+ * An I/O that could not be queued without waiting (IOCB_NOWAIT), issued
+ * again, waiting, on fgds_io_wq; its completion comes back through
+ * fgds_uring_io_complete() as the first one's would have.
  */
-static void fgds_uring_io_done(struct io_uring_cmd *cmd, unsigned int issue_flags)
+static void fgds_uring_reissue_fn(struct work_struct *work)
+{
+	struct fgds_io_req *req = container_of(work, struct fgds_io_req,
+					       reissue);
+	const struct cred *old = override_creds(req->cred);
+	struct iov_iter iter;
+	ssize_t ret;
+
+	fgds_io_rewind(req, &iter);
+	ret = fgds_io_issue(req, &iter);
+	revert_creds(old);
+	if (ret == -EIOCBQUEUED)
+		return;
+	/* Ended at once: the file's method also ended its write. */
+	req->ret = ret;
+	req->ended = true;
+	io_uring_cmd_complete_in_task(req->cmd, fgds_uring_io_tw);
+}
+
+/*
+ * The I/O ended and its task work runs, under the ring's uring_lock: the
+ * CQE, after everything is let go. An I/O that could not be queued without
+ * waiting goes to fgds_uring_reissue_fn(), unless the task or its ring is
+ * going away.
+ */
+static void fgds_uring_io_done(struct io_uring_cmd *cmd,
+			       unsigned int issue_flags, bool dead)
 {
 	struct fgds_io_req *req = *io_uring_cmd_to_pdu(cmd, struct fgds_io_req *);
-	struct iov_iter iter;
 	long ret = req->ret;
 
-	if (req->write)
+	if (req->write && !req->ended)
 		kiocb_end_write(&req->kiocb);
 	if (ret == -EAGAIN && (req->kiocb.ki_flags & IOCB_NOWAIT)) {
-		req->kiocb.ki_flags &= ~IOCB_NOWAIT;
-		fgds_io_rewind(req, &iter);
-		ret = fgds_io_issue(req, &iter);
-		if (ret == -EIOCBQUEUED)
+		if (dead) {
+			ret = -ECANCELED;
+		} else {
+			req->kiocb.ki_flags &= ~IOCB_NOWAIT;
+			req->cred = get_current_cred();
+			INIT_WORK(&req->reissue, fgds_uring_reissue_fn);
+			queue_work(fgds_io_wq, &req->reissue);
 			return;
+		}
 	}
+	if (req->cred)
+		put_cred(req->cred);
 	fgds_io_release(req);
 	kfree(req);
 	fgds_uring_cmd_done(cmd, ret, issue_flags);
@@ -261,7 +298,7 @@ static int fgds_uring_io(struct io_uring_cmd *cmd, unsigned int issue_flags)
 		return -EINVAL;
 	}
 	memcpy(&arg, fgds_uring_cmd_bytes(cmd), sizeof(arg));
-	req = kmalloc(sizeof(*req), GFP_KERNEL);
+	req = kzalloc(sizeof(*req), GFP_KERNEL);
 	if (!req)
 		return -ENOMEM;
 	/*

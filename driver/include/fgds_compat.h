@@ -204,22 +204,6 @@ static inline struct dev_pagemap *fgds_get_dev_pagemap(unsigned long pfn)
 }
 
 /*
- * Reference count of a ZONE_DEVICE page that nobody uses. GENERIC pages idle
- * at 1 on every supported kernel (7.x free_zone_device_folio() resets them to
- * 1). PCI_P2PDMA pages idle at 1 up to 6.12 and at 0 from 7.x (the
- * "fs/dax: Fix ZONE_DEVICE page reference counts" series); at 0 they are
- * handed back to their genpool, so fgds never lets a P2PDMA page it holds
- * drop to 0 through put_page(). A change of behaviour inside mm/, which no
- * compile probe sees.
- */
-#if LINUX_VERSION_CODE >= KERNEL_VERSION(7, 0, 0)
-#define FGDS_P2PDMA_IDLE_REFS 0
-#else
-#define FGDS_P2PDMA_IDLE_REFS 1
-#endif
-#define FGDS_GENERIC_IDLE_REFS 1
-
-/*
  * PTEs mapping the pages of a folio. folio_mapcount() is an inline over the
  * folio's own large mapcount from 6.9; before (6.1) it is not exported, and
  * page_mapcount() of a PTE-mapped page of a compound folio counts that page's
@@ -309,20 +293,28 @@ static inline const void *fgds_uring_cmd_bytes(const struct io_uring_cmd *cmd)
  * the request (io_uring_cmd_from_tw()) and no issue flags, which are then
  * IO_URING_CMD_TASK_WORK_ISSUE_FLAGS; 6.12 hands it the command and the
  * flags. FGDS_DEFINE_URING_TW(name, fn) defines the callback @name of the
- * kernel's type, which calls fn(cmd, issue_flags). io_uring_cmd_done() lost
- * its res2 argument in 7.x (io_uring_cmd_done32() has it).
+ * kernel's type, which calls fn(cmd, issue_flags, dead): @dead is true when
+ * the task work runs because the submitting task or its ring is going away
+ * (7.x: the token's @cancel; 6.12: IO_URING_F_TASK_DEAD), and nothing new
+ * may be started for it then. io_uring_cmd_done() lost its res2 argument in
+ * 7.x (io_uring_cmd_done32() has it).
  */
 #ifdef FGDS_HAVE_IO_URING_CMD_FROM_TW
+#define FGDS_URING_TW_PROTO(name)					\
+	void name(struct io_tw_req tw_req, io_tw_token_t tw)
 #define FGDS_DEFINE_URING_TW(name, fn)					\
 static void name(struct io_tw_req tw_req, io_tw_token_t tw)		\
 {									\
-	fn(io_uring_cmd_from_tw(tw_req), IO_URING_CMD_TASK_WORK_ISSUE_FLAGS); \
+	fn(io_uring_cmd_from_tw(tw_req), IO_URING_CMD_TASK_WORK_ISSUE_FLAGS, \
+	   tw.cancel);							\
 }
 #else
+#define FGDS_URING_TW_PROTO(name)					\
+	void name(struct io_uring_cmd *cmd, unsigned int issue_flags)
 #define FGDS_DEFINE_URING_TW(name, fn)					\
 static void name(struct io_uring_cmd *cmd, unsigned int issue_flags)	\
 {									\
-	fn(cmd, issue_flags);						\
+	fn(cmd, issue_flags, issue_flags & IO_URING_F_TASK_DEAD);	\
 }
 #endif
 
