@@ -266,3 +266,74 @@ pub fn no_merges(dev: &std::path::Path) -> anyhow::Result<()> {
     let path = format!("/sys/block/{name}/queue/nomerges");
     std::fs::write(&path, "2").with_context(|| format!("cannot write 2 to {path}"))
 }
+
+/// A tmpfs of the guest's own at `dir`, mounted unless it already is.
+pub fn tmpfs(dir: &std::path::Path) -> anyhow::Result<()> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts")?;
+    if mounts.contains(&format!(" {} tmpfs ", dir.display())) {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir)?;
+    rustix::mount::mount(
+        "tmpfs",
+        dir,
+        "tmpfs",
+        rustix::mount::MountFlags::empty(),
+        Some(c"size=64m"),
+    )
+    .with_context(|| format!("mount tmpfs on {}", dir.display()))
+}
+
+/// Opens a device node that devtmpfs may still be creating (bounded wait), for reading and
+/// writing.
+pub fn wait_for_node(path: &std::path::Path) -> anyhow::Result<File> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match OpenOptions::new().read(true).write(true).open(path) {
+            Ok(file) => return Ok(file),
+            Err(err) if std::time::Instant::now() > deadline => {
+                return Err(err).with_context(|| format!("open {}", path.display()));
+            }
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(20)),
+        }
+    }
+}
+
+/// A loop device over a file, detached when dropped.
+pub struct LoopDevice {
+    dev: File,
+    /// `/dev/loopN`.
+    pub path: PathBuf,
+}
+
+impl LoopDevice {
+    /// Attaches `backing` to a free loop device.
+    pub fn new(backing: &std::path::Path) -> anyhow::Result<LoopDevice> {
+        use std::os::fd::AsRawFd;
+        const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
+        const LOOP_SET_FD: libc::c_ulong = 0x4C00;
+        let ctl = File::open("/dev/loop-control").context("open /dev/loop-control")?;
+        // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
+        let n = unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE) };
+        if n < 0 {
+            bail!("LOOP_CTL_GET_FREE: {}", std::io::Error::last_os_error());
+        }
+        let path = PathBuf::from(format!("/dev/loop{n}"));
+        let dev = wait_for_node(&path)?;
+        let file = OpenOptions::new().read(true).write(true).open(backing)?;
+        // SAFETY: LOOP_SET_FD takes the backing file's descriptor, which outlives the call.
+        if unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_SET_FD, file.as_raw_fd()) } != 0 {
+            bail!("LOOP_SET_FD: {}", std::io::Error::last_os_error());
+        }
+        Ok(LoopDevice { dev, path })
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
+        // SAFETY: LOOP_CLR_FD takes no argument.
+        unsafe { libc::ioctl(self.dev.as_raw_fd(), LOOP_CLR_FD, 0) };
+    }
+}

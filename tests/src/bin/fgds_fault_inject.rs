@@ -22,7 +22,7 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use common::{MIB, Map};
@@ -58,6 +58,10 @@ fn main() {
         Case {
             name: "write_under_fault_injection",
             run: write_case,
+        },
+        Case {
+            name: "revocation_under_fault_injection",
+            run: revocation_case,
         },
     ])
 }
@@ -607,4 +611,114 @@ fn write_case() -> CaseResult {
     common::unreg(&node, idx)?;
     fault::wait_counters_zero("after the case")?;
     ktap::pass()
+}
+
+/// The blkdebug tag of the revocation case's held read.
+const REVOKE_TAG: &str = "fgds_inject_revoke";
+/// How long each step of the revocation case holds its read.
+const REVOKE_HOLD: Duration = Duration::from_millis(400);
+
+/// A vgpu revocation (the exporter's invalidation under its reservation lock, then its wait for
+/// fences) of a buffer whose registration has an `FGDS_IOCTL_READ` held in flight, with the
+/// n-th allocation of the revoking thread failed: a failure before the invalidation (the
+/// sysfs write's buffer) fails the write and revokes nothing; one inside fgds's invalidation
+/// (the reservation slot for its fence) is retried there, logged, and the revocation completes
+/// as without it: the invalidation returns without waiting for the read, the fence signals
+/// only after the read ended, and nothing of the read lands once vgpu reuses the memory. The
+/// walk must reach fgds's reservation at least once.
+fn revocation_case() -> CaseResult {
+    let inj = match setup_or_skip()? {
+        Ok(inj) => inj,
+        Err(reason) => return ktap::skip(reason),
+    };
+    const LEN: u64 = MIB;
+    let mut kmsg = Kmsg::open()?;
+    let mut reserved_retry = false;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let nvme = common::nvme(false)?;
+    fault::write_nvme_pattern(0x5245_564b, LEN as usize, SCRATCH)?;
+    let points = walk(
+        |n| {
+            let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+            fault::vgpu_fill(bar_off, LEN, 0x5345_4e54)?;
+            let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+            let bp = common::Breakpoint::arm(REVOKE_TAG)?;
+            let reader = {
+                let node = node.try_clone()?;
+                let arg = fgds::uapi::Io {
+                    idx,
+                    offset: 0,
+                    len: LEN,
+                    file_offset: SCRATCH,
+                    fd: std::os::fd::AsRawFd::as_raw_fd(&nvme),
+                    flags: 0,
+                };
+                std::thread::spawn(move || common::ioctl_io(&node, false, &arg))
+            };
+            std::thread::sleep(Duration::from_millis(200));
+            ensure!(
+                !reader.is_finished(),
+                "the read was not held by the breakpoint"
+            );
+            let started = Instant::now();
+            let resumer = std::thread::spawn(move || {
+                std::thread::sleep(REVOKE_HOLD);
+                bp.resume()
+            });
+            let (injected, res) = armed(&inj, n, || {
+                Ok(common::revoke(bar_off)
+                    .err()
+                    .map(|e| errno_of(&e).unwrap_or(Errno::IO)))
+            })?;
+            let resumed = REVOKE_HOLD;
+            fault::join(resumer, "resume")?.context("resume the held read")?;
+            let read = fault::join(reader, "read")?;
+            if res.is_none() {
+                // Revoked: exactly as without injection.
+                fault::check_held_revocation(bar_off, resumed, read)?;
+                fault::reuse_and_check(bar_off, LEN, 0x5345_4e54)?;
+            } else {
+                // Nothing was revoked: the registration still works; revoke it for real.
+                ensure!(read == Ok(LEN as usize), "the held read gave {read:?}");
+                common::revoke(bar_off)?;
+            }
+            ktap::diag(format_args!(
+                "point {n}: {res:?} after {:?}",
+                started.elapsed()
+            ));
+            drop(dmabuf);
+            common::unreg(&node, idx)?;
+            if kmsg
+                .new_lines()
+                .iter()
+                .any(|l| l.contains("no memory for the revocation fence"))
+            {
+                reserved_retry = true;
+            }
+            Ok((injected, res))
+        },
+        |_, res| {
+            ensure!(
+                res.is_none() || res == Some(Errno::NOMEM),
+                "the revocation failed with {res:?}, want success or ENOMEM"
+            );
+            Ok(())
+        },
+    )?;
+    ensure!(
+        reserved_retry,
+        "none of the {points} failed allocations reached fgds's reservation of a fence slot"
+    );
+    drop((node, vgpu, nvme));
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// The errno inside an error from a failed write, if any.
+fn errno_of(err: &anyhow::Error) -> Option<Errno> {
+    err.chain()
+        .find_map(|e| e.downcast_ref::<std::io::Error>())
+        .and_then(|e| e.raw_os_error())
+        .map(Errno::from_raw_os_error)
 }

@@ -69,6 +69,7 @@ const OPS: &[&str] = &[
     "pwrite",
     "fgds_io",
     "fgds_io_cmd",
+    "fgds_io_refused",
     "uring_read",
     "uring_fixed_buffer",
     "slot_reg",
@@ -357,6 +358,10 @@ fn fuzz() -> CaseResult {
     ));
     fault::require_idle()?;
     let sh = shared()?;
+    let refused = refused_files()?;
+    REFUSED
+        .set(refused.files)
+        .map_err(|_| anyhow::anyhow!("the refused files were set up twice"))?;
     let mut guards = Some(set_guards()?);
     let ranges = guards
         .as_ref()
@@ -860,6 +865,7 @@ const WEIGHTS: &[(&str, Op, u64)] = &[
     ("pwrite", |w, r| op_io(w, r, true), 25),
     ("fgds_io", |w, r| op_fgds_io(w, r, false), 35),
     ("fgds_io_cmd", |w, r| op_fgds_io(w, r, true), 35),
+    ("fgds_io_refused", op_fgds_io_refused, 20),
     ("uring_read", op_uring, 60),
     ("uring_fixed_buffer", op_fixed_buffer, 8),
     ("slot_reg", op_slot_reg, 20),
@@ -1707,6 +1713,139 @@ fn op_fgds_io(w: &Worker, rng: &mut Rng, by_command: bool) {
         };
         sh.check(op, got, &allowed, "fgds's read or write of a live token");
     }
+}
+
+/// Files fgds's own reads and writes must refuse (driver/fgds/gate.c), open in the main
+/// process before the workers fork: a pipe's ends and a socket (non-blocking, so that a driver
+/// that wrongly took one could not hang a worker), a tmpfs file and a loop device over another.
+static REFUSED: std::sync::OnceLock<Vec<(&'static str, File)>> = std::sync::OnceLock::new();
+
+/// The files of [`REFUSED`], and the loop device, which the main process keeps attached.
+struct Refused {
+    files: Vec<(&'static str, File)>,
+    _loop: fgds_tests::guest::LoopDevice,
+}
+
+const FUZZ_TMPFS: &str = "/mnt/fgds-fuzz";
+
+fn refused_files() -> anyhow::Result<Refused> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = std::path::Path::new(FUZZ_TMPFS);
+    fgds_tests::guest::tmpfs(dir)?;
+    let mut files = Vec::new();
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into the array, which we then own.
+    let piped = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_DIRECT | libc::O_NONBLOCK) };
+    ensure!(piped == 0, "pipe2: {}", std::io::Error::last_os_error());
+    // SAFETY: fresh descriptors of ours.
+    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    files.push(("a pipe's read end", File::from(r)));
+    files.push(("a pipe's write end", File::from(w)));
+    let kind = libc::SOCK_STREAM | libc::SOCK_NONBLOCK;
+    // SAFETY: socketpair writes two descriptors into the array, which we then own.
+    let paired = unsafe { libc::socketpair(libc::AF_UNIX, kind, 0, fds.as_mut_ptr()) };
+    ensure!(
+        paired == 0,
+        "socketpair: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: fresh descriptors of ours; the other end closes with this scope.
+    let (a, _b) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    files.push(("a socket", File::from(a)));
+    let open = |path: &std::path::Path| -> anyhow::Result<File> {
+        let direct = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path);
+        match direct {
+            Ok(f) => Ok(f),
+            // tmpfs before 6.6 takes no O_DIRECT: refused all the same.
+            Err(_) => Ok(std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(path)?),
+        }
+    };
+    for name in ["tmpfs.bin", "loop.bin"] {
+        File::create(dir.join(name))?.set_len(4 * MIB)?;
+    }
+    files.push(("a tmpfs file", open(&dir.join("tmpfs.bin"))?));
+    let dev = fgds_tests::guest::LoopDevice::new(&dir.join("loop.bin"))?;
+    files.push(("a loop device", open(&dev.path)?));
+    Ok(Refused { files, _loop: dev })
+}
+
+/// fgds's read or write (ioctl or command) of a live registration with a file of
+/// [`REFUSED`]: EREMOTEIO, or what a bad range or a revocation gives first.
+fn op_fgds_io_refused(w: &Worker, rng: &mut Rng) {
+    let sh = w.sh;
+    let op = "fgds_io_refused";
+    let Some(files) = REFUSED.get() else {
+        return;
+    };
+    let Some(reg) = pick(&w.regs, rng) else {
+        return;
+    };
+    let gone = reg.gone.read().unwrap();
+    if *gone {
+        return;
+    }
+    let (what, file) = &files[rng.below(files.len() as u64) as usize];
+    let len = (1 + rng.below(16)) * PAGE;
+    let from = rng.below((reg.len + PAGE).saturating_sub(len) / PAGE + 1) * PAGE;
+    let write = rng.chance(2);
+    let arg = fgds::uapi::Io {
+        idx: reg.idx,
+        offset: from,
+        len,
+        file_offset: 0,
+        fd: file.as_raw_fd(),
+        flags: 0,
+    };
+    let by_command = rng.chance(2);
+    let res = if by_command {
+        match io_commands(&reg.node.file, &[(write, arg)]) {
+            Some(results) => results[0],
+            None => {
+                sh.fail(op, format_args!("io_uring_enter failed"));
+                return;
+            }
+        }
+    } else {
+        let request = if write {
+            fgds::uapi::IOCTL_WRITE
+        } else {
+            fgds::uapi::IOCTL_READ
+        };
+        // SAFETY: `Io` is `struct fgds_io`, which the kernel only reads.
+        let n = unsafe { libc::ioctl(reg.node.file.as_raw_fd(), request as _, &arg) };
+        if n < 0 { -last_errno() } else { n }
+    };
+    let mut allowed = vec![Errno::REMOTEIO];
+    if arg.offset + arg.len > reg.len {
+        allowed.push(Errno::INVAL);
+    }
+    if reg.buf.may_be_revoked(sh) || sh.stale(reg.node.epoch) {
+        allowed.push(Errno::NODEV);
+    }
+    if by_command && !*COMMANDS.get_or_init(|| io_commands_supported(&reg.node.file)) {
+        allowed = vec![Errno::OPNOTSUPP];
+    }
+    if res >= 0 {
+        sh.fail(
+            op,
+            format_args!("fgds moved {res} bytes with {what}, which it must refuse"),
+        );
+        return;
+    }
+    sh.check(
+        op,
+        Err(Errno::from_raw_os_error(-res)),
+        &allowed,
+        "fgds's read or write with a file it must refuse",
+    );
 }
 
 /// Whether fgds takes `FGDS_URING_CMD_READ` on this kernel (from 6.12): one of no length gives

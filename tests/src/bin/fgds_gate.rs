@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use common::{MIB, ioctl_io};
 use fgds::uapi;
-use fgds_tests::guest::AlignedBuf;
+use fgds_tests::guest::{AlignedBuf, LoopDevice};
 use fgds_tests::ktap::{self, Case, CaseResult};
 use fgds_tests::{ctl, pattern};
 use io_uring::squeue::{Entry, Entry128};
@@ -203,21 +203,10 @@ fn pipe(flags: i32) -> anyhow::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-/// A tmpfs of this program's own at [`TMPFS`], mounted once.
+/// A tmpfs of this program's own at [`TMPFS`].
 fn tmpfs() -> anyhow::Result<&'static Path> {
     let dir = Path::new(TMPFS);
-    if std::fs::read_to_string("/proc/self/mounts")?.contains(&format!(" {TMPFS} tmpfs ")) {
-        return Ok(dir);
-    }
-    std::fs::create_dir_all(dir)?;
-    rustix::mount::mount(
-        "tmpfs",
-        dir,
-        "tmpfs",
-        rustix::mount::MountFlags::empty(),
-        Some(c"size=64m"),
-    )
-    .with_context(|| format!("mount tmpfs on {TMPFS}"))?;
+    fgds_tests::guest::tmpfs(dir)?;
     Ok(dir)
 }
 
@@ -259,61 +248,10 @@ fn tmpfs_file_refused() -> CaseResult {
     ktap::pass()
 }
 
-/// A loop device over a file of [`TMPFS`], detached when dropped.
-struct Loop {
-    dev: File,
-    path: PathBuf,
-}
-
-impl Loop {
-    fn new(backing: &Path) -> anyhow::Result<Loop> {
-        const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
-        const LOOP_SET_FD: libc::c_ulong = 0x4C00;
-        let ctl = File::open("/dev/loop-control").context("open /dev/loop-control")?;
-        // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
-        let n = unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE) };
-        ensure!(
-            n >= 0,
-            "LOOP_CTL_GET_FREE: {}",
-            std::io::Error::last_os_error()
-        );
-        let path = PathBuf::from(format!("/dev/loop{n}"));
-        let dev = wait_for_node(&path)?;
-        let file = OpenOptions::new().read(true).write(true).open(backing)?;
-        // SAFETY: LOOP_SET_FD takes the backing file's descriptor, which outlives the call.
-        if unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_SET_FD, file.as_raw_fd()) } != 0 {
-            bail!("LOOP_SET_FD: {}", std::io::Error::last_os_error());
-        }
-        Ok(Loop { dev, path })
-    }
-}
-
-impl Drop for Loop {
-    fn drop(&mut self) {
-        const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
-        // SAFETY: LOOP_CLR_FD takes no argument.
-        unsafe { libc::ioctl(self.dev.as_raw_fd(), LOOP_CLR_FD, 0) };
-    }
-}
-
-/// Opens a device node that devtmpfs may still be creating (bounded wait).
-fn wait_for_node(path: &Path) -> anyhow::Result<File> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match OpenOptions::new().read(true).write(true).open(path) {
-            Ok(file) => return Ok(file),
-            Err(err) if Instant::now() > deadline => {
-                return Err(err).with_context(|| format!("open {}", path.display()));
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(20)),
-        }
-    }
-}
-
 fn loop_device_refused() -> CaseResult {
     fault::require_idle()?;
     let backing = tmpfs_file("loop.bin", 8 * MIB)?;
-    let dev = Loop::new(&backing)?;
+    let dev = LoopDevice::new(&backing)?;
     let file = open_rw(&dev.path)?;
     let reg = registration(MIB)?;
     require_refused(&reg, file.as_raw_fd(), "a loop device")?;
@@ -353,7 +291,7 @@ fn ram_disk_refused(what: &str, option: &str, dev: fn() -> anyhow::Result<PathBu
     }
     fault::require_idle()?;
     let path = dev()?;
-    let file = open_rw(&wait_for_node(&path).map(|_| path.clone())?)?;
+    let file = open_rw(&fgds_tests::guest::wait_for_node(&path).map(|_| path.clone())?)?;
     let reg = registration(MIB)?;
     require_refused(
         &reg,
@@ -442,9 +380,9 @@ fn dm_crypt_refused() -> CaseResult {
     }
     fault::require_idle()?;
     let backing = tmpfs_file("crypt.bin", 8 * MIB)?;
-    let under = Loop::new(&backing)?;
+    let under = LoopDevice::new(&backing)?;
     let dm = Dm::crypt("fgds-gate-crypt", &under.path, 8 * MIB / 512)?;
-    let file = open_rw(&wait_for_node(&dm.path).map(|_| dm.path.clone())?)?;
+    let file = open_rw(&fgds_tests::guest::wait_for_node(&dm.path).map(|_| dm.path.clone())?)?;
     let reg = registration(MIB)?;
     require_refused(&reg, file.as_raw_fd(), "a dm-crypt target")?;
     drop((reg, file, dm, under));
