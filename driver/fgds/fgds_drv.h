@@ -280,8 +280,7 @@ struct fgds_fence {
  * @cleanup: gives the dma-buf back once the pages are quiet (may sleep on
  *	the reservation lock, so it never runs in @quiesce)
  * @users: every call of FGDS_IOCTL_READ/WRITE and FGDS_URING_CMD_READ/WRITE
- *	(rw.c), and every request using one of its io_uring slots (uring.c),
- *	holds a live reference while it can reach the pages; killed by a
+ *	(rw.c) holds a live reference while it can reach the pages; killed by a
  *	revocation that finds @in_use and @released false (a released one has
  *	no users left: each held a reference in @ref)
  * @in_use: @users was used (written under @lock held for reading, with

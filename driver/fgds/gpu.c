@@ -996,8 +996,8 @@ bool fgds_pages_quiet(struct fgds_gpu *gpu, const struct fgds_extent *ext,
  * @buf: the registration
  * @cursor: as for fgds_pages_quiet()
  *
- * Return: true when no request can reach @buf's pages through an io_uring
- * slot, and @buf holds no page reference or its pages are quiet.
+ * Return: true when no call of fgds's can reach @buf's pages through
+ * @users, and @buf holds no page reference or its pages are quiet.
  */
 bool fgds_buf_quiet(struct fgds_buf *buf, pgoff_t *cursor)
 {

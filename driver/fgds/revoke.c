@@ -45,11 +45,17 @@
  * unloaded from under it; the cleanup work drops it, on fgds's own workqueue,
  * which module exit flushes.
  *
- * Lock order: fgds_lock -> PCI device_lock -> gpu->lock -> gpu->bufs_lock ->
+ * Lock order: PCI device_lock -> fgds_lock (the bus notifier runs under the
+ * device lock; nothing takes a device lock under fgds_lock, which only
+ * guards the GPU list), and PCI device_lock -> gpu->lock -> gpu->bufs_lock ->
  * dmabuf->resv -> buf->lock -> i_mmap_rwsem (zap) -> gpu->holds_lock ->
  * gpu->pending_lock. The mmap lock comes before gpu->bufs_lock (a
  * registration's last reference can go in munmap()) and never before
  * gpu->lock, which is held while the provider's sysfs files come and go.
+ * A ring's uring_lock, under which io_uring commands are issued and their
+ * task work runs, comes before f->lock and buf->lock (read), and before
+ * gpu->bufs_lock -> dmabuf->resv where a command's end drops a
+ * registration's last reference.
  */
 
 #include <linux/delay.h>
@@ -408,7 +414,7 @@ static void fgds_report_holder(struct fgds_buf *buf)
 
 	if (!fgds_buf_users_quiet(buf)) {
 		dev_warn(&gpu->dev,
-			 "revoked buffer of %s (%llu bytes) still in use by fgds's reads and writes or io_uring slots after %u ms; the exporter gets the memory back only when they end\n",
+			 "revoked buffer of %s (%llu bytes) still in use by fgds's reads and writes after %u ms; the exporter gets the memory back only when they end\n",
 			 buf->owner, buf->size,
 			 jiffies_to_msecs(jiffies - buf->pending_since));
 		return;

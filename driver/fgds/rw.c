@@ -19,11 +19,10 @@
  * revocation kills @users under buf->lock as it sets @revoked, and the pages
  * count as quiet only once @users reached zero (@users_done), so the
  * revocation fence signals after the last call in flight returned, however
- * long that takes, and the dma-buf is given back only then. io_uring slots
- * (uring.c) take the same references.
+ * long that takes, and the dma-buf is given back only then.
  *
- * @users is only switched on (@in_use) the first time a call or a slot uses
- * the registration, so that revoking one never used that way needs no RCU
+ * @users is only switched on (@in_use) the first time a call uses the
+ * registration, so that revoking one never used that way needs no RCU
  * grace period before its pages count as quiet.
  */
 
@@ -109,8 +108,8 @@ void fgds_buf_users_put(struct fgds_buf *buf)
  * @buf: the registration, being revoked; dmabuf->resv held, and @lock held
  *	for writing
  *
- * A released registration is left alone: every call and slot held a
- * reference on it, so none is left, and none can come. Killing its @users
+ * A released registration is left alone: every call held a reference on
+ * it, so none is left, and none can come. Killing its @users
  * would start an RCU callback that the registration's free, which may
  * follow at once, must not outrun.
  */
@@ -125,16 +124,15 @@ void fgds_buf_users_kill(struct fgds_buf *buf)
 }
 
 /**
- * fgds_buf_users_quiet() - can a call or an io_uring request still reach a
- *	registration's pages through @users?
+ * fgds_buf_users_quiet() - can a call still reach a registration's pages
+ *	through @users?
  * @buf: the registration
  *
  * Asked only of a registration that is revoked or released. Revoked before
  * it was released: @users was killed if it was ever used, and is quiet once
  * it reached zero (its RCU callback has ended then). Released first: calls
- * and slots hold a reference on the registration, and io_uring lets go of a
- * slot only after the last request that used it, so none is left, and a
- * later revocation leaves @users alone.
+ * hold a reference on the registration, so none is left, and a later
+ * revocation leaves @users alone.
  *
  * Return: true if none can.
  */

@@ -6,11 +6,7 @@ use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
-
-use io_uring::IoUring;
-use io_uring::squeue::EntryMarker;
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::uapi;
@@ -30,10 +26,6 @@ pub struct Buffer {
     idx: u64,
     ptr: NonNull<u8>,
     len: usize,
-    /// Unique in the process, unlike `idx`, which the kernel hands out again after UNREG.
-    serial: u64,
-    /// The rings of the [`crate::Transfer`]s that put this buffer into their slot.
-    rings: Mutex<Vec<Weak<Mutex<crate::transfer::Ring>>>>,
 }
 
 // SAFETY: the buffer is an address range plus a file; nothing in it is tied to a thread.
@@ -64,8 +56,6 @@ impl Buffer {
                 idx,
                 ptr: NonNull::new(ptr.cast()).expect("mmap returned NULL"),
                 len: len_usize,
-                serial: NEXT_SERIAL.fetch_add(1, Ordering::Relaxed),
-                rings: Mutex::new(Vec::new()),
             }),
             Err(errno) => {
                 unregister(&node, idx);
@@ -92,17 +82,6 @@ impl Buffer {
     /// The registration's token (the mmap offset).
     pub fn idx(&self) -> u64 {
         self.idx
-    }
-
-    pub(crate) fn serial(&self) -> u64 {
-        self.serial
-    }
-
-    /// Records that `ring`'s slot holds this buffer, to be emptied when it is dropped.
-    pub(crate) fn held_by(&self, ring: Weak<Mutex<crate::transfer::Ring>>) {
-        let mut rings = self.rings.lock().unwrap_or_else(PoisonError::into_inner);
-        rings.retain(|r| r.strong_count() > 0 && !r.ptr_eq(&ring));
-        rings.push(ring);
     }
 
     /// Reads `range.len()` bytes of `file` at `file_offset` into `range` of the buffer, with
@@ -261,105 +240,8 @@ fn until_done(
     Ok(done)
 }
 
-impl Buffer {
-    /// Puts the whole registration into slot `slot` of `ring`'s fixed-buffer table
-    /// (`FGDS_URING_CMD_REGISTER`), where the kernel can revoke an io_uring kernel buffer (not
-    /// upstream: vm-images/kernel-patches/io-uring-revocable-kbuf; elsewhere this fails with
-    /// EOPNOTSUPP). `IORING_OP_READ_FIXED` and `IORING_OP_WRITE_FIXED` with `buf_index = slot`
-    /// then address the buffer by byte offset from its start, not by its mapped address, and
-    /// no request pins anything. The ring needs a sparse table with that slot empty
-    /// (`register_buffers_sparse`) and nothing else in flight: this waits for the command.
-    ///
-    /// The slot keeps the registration (not its memory) until [`Buffer::unregister_from_ring`],
-    /// `unregister_buffers` or the ring's end; a revocation makes requests on it fail with
-    /// EFAULT.
-    pub fn register_in_ring<S: EntryMarker>(&self, ring: &mut IoUring<S>, slot: u16) -> Result<()> {
-        let arg = uapi::UringBuffer {
-            idx: self.idx,
-            index: slot.into(),
-            flags: 0,
-        };
-        uring_cmd(
-            ring,
-            &self.node,
-            uapi::URING_CMD_REGISTER,
-            arg,
-            "FGDS_URING_CMD_REGISTER",
-        )
-    }
-
-    /// Empties slot `slot` of `ring`'s fixed-buffer table (`FGDS_URING_CMD_UNREGISTER`).
-    /// Requests still using it keep it until they complete.
-    pub fn unregister_from_ring<S: EntryMarker>(
-        &self,
-        ring: &mut IoUring<S>,
-        slot: u16,
-    ) -> Result<()> {
-        let arg = uapi::UringBuffer {
-            idx: 0,
-            index: slot.into(),
-            flags: 0,
-        };
-        uring_cmd(
-            ring,
-            &self.node,
-            uapi::URING_CMD_UNREGISTER,
-            arg,
-            "FGDS_URING_CMD_UNREGISTER",
-        )
-    }
-}
-
-/// Issues one fgds io_uring command on an otherwise idle ring and waits for its result.
-fn uring_cmd<S: EntryMarker>(
-    ring: &mut IoUring<S>,
-    node: &File,
-    op: rustix::ioctl::Opcode,
-    arg: uapi::UringBuffer,
-    what: &'static str,
-) -> Result<()> {
-    let refused = |errno: i32, why: String| Error::Refused {
-        errno,
-        reason: format!("{what} (slot {}) failed: {why}", arg.index),
-    };
-    let sqe = io_uring::opcode::UringCmd16::new(io_uring::types::Fd(node.as_raw_fd()), op)
-        .cmd(arg.to_cmd())
-        .build();
-    // SAFETY: the command carries its argument inline; it refers to no memory of ours.
-    unsafe { ring.submission().push(&S::from(sqe)) }
-        .map_err(|_| refused(libc::EBUSY, "the submission queue is full".to_owned()))?;
-    if let Err(err) = ring.submit_and_wait(1) {
-        return Err(refused(
-            err.raw_os_error().unwrap_or(libc::EIO),
-            err.to_string(),
-        ));
-    }
-    let res = ring
-        .completion()
-        .next()
-        .map_or(-libc::EIO, |cqe| cqe.result());
-    if res >= 0 {
-        return Ok(());
-    }
-    let err = std::io::Error::from_raw_os_error(-res);
-    let hint = if -res == libc::EOPNOTSUPP {
-        " (this kernel cannot revoke io_uring kernel buffers: see vm-images/kernel-patches/io-uring-revocable-kbuf; read through the mapping instead)"
-    } else {
-        ""
-    };
-    Err(refused(-res, format!("{err}{hint}")))
-}
-
-/// Where [`Buffer::serial`]s come from.
-static NEXT_SERIAL: AtomicU64 = AtomicU64::new(0);
-
 impl Drop for Buffer {
     fn drop(&mut self) {
-        // The slots first: a ring's lock is never taken under `rings`.
-        let rings = std::mem::take(self.rings.get_mut().unwrap_or_else(PoisonError::into_inner));
-        for ring in rings.iter().filter_map(Weak::upgrade) {
-            crate::transfer::release_slot(&ring, self);
-        }
         // SAFETY: exactly the mapping made in `map`; no reference into it exists.
         let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
         unregister(&self.node, self.idx);

@@ -3,28 +3,20 @@
 //!
 //! GPU memory is never pinned as an io_uring fixed buffer: such a pin would outlive a
 //! revocation, and the kernel refuses it for fgds mappings (docs/driver.md, "Revocation
-//! contract"). Each run takes the first of three paths that the kernel offers:
+//! contract"). Each run takes the first of two paths that the kernel offers:
 //!
-//! 1. the ring's one slot (`FGDS_URING_CMD_REGISTER`, where the kernel can revoke an io_uring
-//!    kernel buffer; not upstream): reads and writes name the slot, pin nothing, and complete
-//!    asynchronously (docs/driver.md, "io_uring slots");
-//! 2. fgds's own commands (`FGDS_URING_CMD_READ`/`WRITE`, from Linux 6.12): fgds hands the
+//! 1. fgds's own commands (`FGDS_URING_CMD_READ`/`WRITE`, from Linux 6.12): fgds hands the
 //!    file an iterator over the registration's pages, nothing pinned, and the I/O completes
-//!    asynchronously (docs/driver.md, "fgds's own reads and writes");
-//! 3. the mapped address: every request pins the pages it moves while it is in flight.
+//!    asynchronously (docs/driver.md, "fgds's own reads and writes"), where fgds takes the file
+//!    (a block device or an ext4/xfs file whose NVMe drive reaches the GPU; `EREMOTEIO`
+//!    otherwise, and the run goes the second way);
+//! 2. the mapped address: every request pins the pages it moves while it is in flight.
 //!
 //! The ring has 128-byte entries, which the commands need.
-//!
-//! The slot keeps the last buffer a [`Transfer`] moved until it moves another one or is
-//! dropped, so that runs on the same buffer do not put it in again (the kernel builds the
-//! slot's page array per registration: 262,144 entries per GiB of order-0 pages). Dropping the
-//! [`Buffer`] empties the slot of every ring that holds it, so the registration, and the GPU
-//! memory its dma-buf keeps, goes with the buffer as before.
 
 use std::fs::File;
 use std::ops::Range;
 use std::os::fd::AsRawFd;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use io_uring::squeue::Entry128;
 use io_uring::{IoUring, opcode, types};
@@ -73,7 +65,9 @@ pub enum Direction {
 /// # Ok::<(), fgds::Error>(())
 /// ```
 pub struct Transfer {
-    ring: Arc<Mutex<Ring>>,
+    uring: IoUring<Entry128>,
+    /// Whether fgds takes `FGDS_URING_CMD_READ`/`WRITE`; `None` until asked.
+    commands: Option<bool>,
     config: TransferConfig,
     last_path: Option<TransferPath>,
 }
@@ -81,34 +75,10 @@ pub struct Transfer {
 /// How a [`Transfer::run`] moved its data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransferPath {
-    /// Through the ring's fixed-buffer slot (`FGDS_URING_CMD_REGISTER`): nothing pinned.
-    Slot,
     /// By fgds's commands (`FGDS_URING_CMD_READ`/`WRITE`): nothing pinned.
     Command,
     /// Through the mapped address: each request pinned its pages while in flight.
     Mapped,
-}
-
-/// A [`Transfer`]'s io_uring and what its fixed-buffer slot holds. The buffers put in the slot
-/// keep a weak reference to it, to empty the slot when they are dropped.
-pub(crate) struct Ring {
-    uring: IoUring<Entry128>,
-    slot: Slot,
-    /// Whether fgds takes `FGDS_URING_CMD_READ`/`WRITE`; `None` until asked.
-    commands: Option<bool>,
-}
-
-/// What the ring's one fixed-buffer slot (`FGDS_URING_CMD_REGISTER`) holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Slot {
-    /// Not asked yet whether the ring can have one.
-    Unknown,
-    /// The ring has a sparse table of one slot, empty.
-    Empty,
-    /// The slot holds the buffer with this [`Buffer::serial`].
-    Holds(u64),
-    /// The kernel has no such slots (or no sparse table): requests pin as they go.
-    Unsupported,
 }
 
 /// What one `run` call moves, shared by its sub-requests.
@@ -145,11 +115,8 @@ impl Transfer {
                 source,
             })?;
         Ok(Transfer {
-            ring: Arc::new(Mutex::new(Ring {
-                uring: ring,
-                slot: Slot::Unknown,
-                commands: None,
-            })),
+            uring: ring,
+            commands: None,
             config,
             last_path: None,
         })
@@ -191,11 +158,7 @@ impl Transfer {
             });
             at += len;
         }
-        let shared = Arc::clone(&self.ring);
-        let mut ring = lock(&shared);
-        let path = if fill_slot(&mut ring, &shared, buffer) {
-            TransferPath::Slot
-        } else if takes_commands(&mut ring, buffer) {
+        let path = if takes_commands(&mut self.uring, &mut self.commands, buffer) {
             TransferPath::Command
         } else {
             TransferPath::Mapped
@@ -210,7 +173,7 @@ impl Transfer {
         };
         self.last_path = Some(path);
         match run_job(
-            &mut ring.uring,
+            &mut self.uring,
             self.config,
             &job,
             chunks.clone(),
@@ -230,16 +193,10 @@ impl Transfer {
                     ..job
                 };
                 self.last_path = Some(TransferPath::Mapped);
-                run_job(&mut ring.uring, self.config, &job, chunks, op, total)
+                run_job(&mut self.uring, self.config, &job, chunks, op, total)
             }
             done => done,
         }
-    }
-
-    /// Whether the last [`Transfer::run`] went through the ring's fixed-buffer slot
-    /// (`FGDS_URING_CMD_REGISTER`: nothing pinned per request) rather than the mapped address.
-    pub fn last_run_in_slot(&self) -> bool {
-        self.last_path == Some(TransferPath::Slot)
     }
 
     /// How the last [`Transfer::run`] moved its data; `None` before the first.
@@ -248,10 +205,15 @@ impl Transfer {
     }
 }
 
-/// Whether fgds takes `FGDS_URING_CMD_READ`/`WRITE` on this ring, asked once: a command of no
-/// length is refused with EINVAL by a driver that has them (ENOTTY or EOPNOTSUPP where not).
-fn takes_commands(ring: &mut Ring, buffer: &Buffer) -> bool {
-    if let Some(known) = ring.commands {
+/// Whether fgds takes `FGDS_URING_CMD_READ`/`WRITE` on this ring, asked once (`known`): a
+/// command of no length is refused with EINVAL by a driver that has them (ENOTTY or EOPNOTSUPP
+/// where not).
+fn takes_commands(
+    uring: &mut IoUring<Entry128>,
+    known: &mut Option<bool>,
+    buffer: &Buffer,
+) -> bool {
+    if let Some(known) = *known {
         return known;
     }
     let arg = crate::uapi::Io {
@@ -265,75 +227,14 @@ fn takes_commands(ring: &mut Ring, buffer: &Buffer) -> bool {
     .cmd(arg.to_cmd())
     .build();
     // SAFETY: the command carries its argument inline; it refers to no memory of ours.
-    let pushed = unsafe { ring.uring.submission().push(&sqe) }.is_ok();
-    let res = match pushed && ring.uring.submit_and_wait(1).is_ok() {
-        true => ring.uring.completion().next().map(|cqe| cqe.result()),
+    let pushed = unsafe { uring.submission().push(&sqe) }.is_ok();
+    let res = match pushed && uring.submit_and_wait(1).is_ok() {
+        true => uring.completion().next().map(|cqe| cqe.result()),
         false => None,
     };
-    let known = res == Some(-libc::EINVAL);
-    ring.commands = Some(known);
-    known
-}
-
-/// Puts `buffer` into the ring's slot where the kernel can, unless it is there already;
-/// returns whether it is there. `shared` is the mutex `ring` is locked from.
-fn fill_slot(ring: &mut Ring, shared: &Arc<Mutex<Ring>>, buffer: &Buffer) -> bool {
-    match ring.slot {
-        Slot::Unknown => {
-            ring.slot = match ring.uring.submitter().register_buffers_sparse(1) {
-                Ok(()) => Slot::Empty,
-                Err(_) => Slot::Unsupported,
-            };
-            if ring.slot == Slot::Unsupported {
-                return false;
-            }
-        }
-        Slot::Empty => {}
-        Slot::Holds(serial) if serial == buffer.serial() => return true,
-        Slot::Holds(_) => {
-            // Another buffer's: the command names the slot, not the buffer. A failure to empty
-            // it leaves the ring without a slot for later runs.
-            if buffer.unregister_from_ring(&mut ring.uring, 0).is_err() {
-                ring.slot = Slot::Unsupported;
-                return false;
-            }
-            ring.slot = Slot::Empty;
-        }
-        Slot::Unsupported => return false,
-    }
-    match buffer.register_in_ring(&mut ring.uring, 0) {
-        Ok(()) => {
-            ring.slot = Slot::Holds(buffer.serial());
-            buffer.held_by(Arc::downgrade(shared));
-            true
-        }
-        Err(Error::Refused { errno, .. }) if errno == libc::EOPNOTSUPP => {
-            ring.slot = Slot::Unsupported;
-            false
-        }
-        // A revoked buffer (ENODEV) or memory short: the mapped address fails or works on its
-        // own terms.
-        Err(_) => false,
-    }
-}
-
-/// Empties `ring`'s slot if it holds `buffer`, which is being dropped. Nothing is in flight:
-/// a run holds the ring's lock and borrows its buffer until its last request completed.
-pub(crate) fn release_slot(ring: &Mutex<Ring>, buffer: &Buffer) {
-    let mut ring = lock(ring);
-    if ring.slot != Slot::Holds(buffer.serial()) {
-        return;
-    }
-    ring.slot = match buffer.unregister_from_ring(&mut ring.uring, 0) {
-        Ok(()) => Slot::Empty,
-        Err(_) => Slot::Unsupported,
-    };
-}
-
-/// Locks a ring. A poisoned lock is taken as it is: the slot's state is only ever set after
-/// the command it records succeeded.
-fn lock(ring: &Mutex<Ring>) -> MutexGuard<'_, Ring> {
-    ring.lock().unwrap_or_else(PoisonError::into_inner)
+    let takes = res == Some(-libc::EINVAL);
+    *known = Some(takes);
+    takes
 }
 
 fn run_job(
@@ -421,19 +322,6 @@ fn submit(uring: &mut IoUring<Entry128>, job: &Job<'_>, chunk: &Chunk, index: us
     let file_off = file_offset + (chunk.start + chunk.done) as u64;
     let fd = types::Fd(file.as_raw_fd());
     let sqe: Entry128 = match job.path {
-        TransferPath::Slot => {
-            // The slot is addressed by offset from the buffer's start.
-            let at = offset as *mut u8;
-            match dir {
-                Direction::Read => opcode::ReadFixed::new(fd, at, len, 0)
-                    .offset(file_off)
-                    .build(),
-                Direction::Write => opcode::WriteFixed::new(fd, at, len, 0)
-                    .offset(file_off)
-                    .build(),
-            }
-            .into()
-        }
         TransferPath::Command => {
             let op = match dir {
                 Direction::Read => crate::uapi::URING_CMD_READ,

@@ -30,31 +30,6 @@ pub const REG_BUFFER: Opcode = opcode::read_write::<RegBuffer>(MAGIC, 0x01);
 /// `FGDS_IOCTL_UNREG_BUFFER`.
 pub const UNREG_BUFFER: Opcode = opcode::write::<UnregBuffer>(MAGIC, 0x02);
 
-/// `struct fgds_uring_buffer`: the command area of an `IORING_OP_URING_CMD` SQE.
-#[repr(C)]
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct UringBuffer {
-    pub idx: u64,
-    pub index: u32,
-    pub flags: u32,
-}
-
-impl UringBuffer {
-    /// The 16 bytes of the SQE's command area.
-    pub fn to_cmd(self) -> [u8; 16] {
-        let mut cmd = [0u8; 16];
-        cmd[..8].copy_from_slice(&self.idx.to_ne_bytes());
-        cmd[8..12].copy_from_slice(&self.index.to_ne_bytes());
-        cmd[12..].copy_from_slice(&self.flags.to_ne_bytes());
-        cmd
-    }
-}
-
-/// `FGDS_URING_CMD_REGISTER` (an io_uring command's `cmd_op`).
-pub const URING_CMD_REGISTER: Opcode = opcode::write::<UringBuffer>(MAGIC, 0x10);
-/// `FGDS_URING_CMD_UNREGISTER`.
-pub const URING_CMD_UNREGISTER: Opcode = opcode::write::<UringBuffer>(MAGIC, 0x11);
-
 /// `struct fgds_io`: the argument of `FGDS_IOCTL_READ`/`WRITE`, and the command area of an
 /// `FGDS_URING_CMD_READ`/`WRITE` SQE (128-byte entries).
 #[repr(C)]

@@ -5,7 +5,7 @@ use std::mem::{offset_of, size_of};
 use std::path::Path;
 use std::process::Command;
 
-use fgds::uapi::{self, Io, RegBuffer, UnregBuffer, UringBuffer};
+use fgds::uapi::{self, Io, RegBuffer, UnregBuffer};
 
 const PROBE: &str = r#"
 #include <stdio.h>
@@ -24,12 +24,6 @@ int main(void)
 	printf("magic %u\n", (unsigned)FGDS_IOCTL_MAGIC);
 	printf("reg_ioctl %lu\n", (unsigned long)FGDS_IOCTL_REG_BUFFER);
 	printf("unreg_ioctl %lu\n", (unsigned long)FGDS_IOCTL_UNREG_BUFFER);
-	printf("uring_size %zu\n", sizeof(struct fgds_uring_buffer));
-	printf("uring_idx %zu\n", offsetof(struct fgds_uring_buffer, idx));
-	printf("uring_index %zu\n", offsetof(struct fgds_uring_buffer, index));
-	printf("uring_flags %zu\n", offsetof(struct fgds_uring_buffer, flags));
-	printf("uring_register %lu\n", (unsigned long)FGDS_URING_CMD_REGISTER);
-	printf("uring_unregister %lu\n", (unsigned long)FGDS_URING_CMD_UNREGISTER);
 	printf("io_size %zu\n", sizeof(struct fgds_io));
 	printf("io_idx %zu\n", offsetof(struct fgds_io, idx));
 	printf("io_offset %zu\n", offsetof(struct fgds_io, offset));
@@ -92,12 +86,6 @@ fn rust_mirror_matches_the_c_header() {
         ("magic", u64::from(uapi::MAGIC)),
         ("reg_ioctl", uapi::REG_BUFFER as u64),
         ("unreg_ioctl", uapi::UNREG_BUFFER as u64),
-        ("uring_size", size_of::<UringBuffer>() as u64),
-        ("uring_idx", offset_of!(UringBuffer, idx) as u64),
-        ("uring_index", offset_of!(UringBuffer, index) as u64),
-        ("uring_flags", offset_of!(UringBuffer, flags) as u64),
-        ("uring_register", uapi::URING_CMD_REGISTER as u64),
-        ("uring_unregister", uapi::URING_CMD_UNREGISTER as u64),
         ("io_size", size_of::<Io>() as u64),
         ("io_idx", offset_of!(Io, idx) as u64),
         ("io_offset", offset_of!(Io, offset) as u64),

@@ -227,7 +227,6 @@ const VGPU_PROGRAMS: &[&str] = &[
     "fgds_fault_unload",
     "fgds_fault_kill",
     "fgds_revoke",
-    "fgds_uring",
     "fgds_io",
     "fgds_gate",
     "fgds_fault_drive",
@@ -319,14 +318,6 @@ pub const SKIPS: &[Skip] = &[
         why: "the batch mixes io_uring reads with fgds's commands, which 6.1 cannot carry",
     },
     Skip {
-        cases: &["fgds_uring::*"],
-        when: &[When::Unpatched("io-uring-revocable-kbuf")],
-        reason: "EOPNOTSUPP: this kernel cannot revoke io_uring kernel buffers",
-        why: "FGDS_URING_CMD_REGISTER needs io_buffer_register_kbuf(), the kernel change \
-              io-uring-revocable-kbuf (not upstream): without it fgds answers the command with \
-              EOPNOTSUPP",
-    },
-    Skip {
         cases: &[
             "fgds_io::uring_commands_many_in_flight",
             "fgds_io::held_command_never_lands_after_revocation",
@@ -374,7 +365,6 @@ pub const SKIPS: &[Skip] = &[
             "fgds_fault_gpu_unplug::*",
             "fgds_fault_inject::*",
             "fgds_revoke::*",
-            "fgds_uring::*",
             "fgds_io::*",
             "fgds_gate::*",
             "fgds_badinput::limit_memlock_enomem",

@@ -612,10 +612,7 @@ fn crate_transfer_takes_the_commands() -> CaseResult {
     let path = transfer.last_run_path();
     ktap::diag(format_args!("the crate's Transfer took {path:?}"));
     ensure!(
-        matches!(
-            path,
-            Some(fgds::TransferPath::Command | fgds::TransferPath::Slot)
-        ),
+        path == Some(fgds::TransferPath::Command),
         "the read went {path:?}: through the mapping, pinning GPU memory per request"
     );
     ctl::gpu_check(bar_off, LEN, SEED_READ).context("GPU memory after the read")?;

@@ -33,11 +33,8 @@
  * buffers, IORING_REGISTER_BUFFERS, fail): such a pin would outlive a
  * revocation. FGDS_IOCTL_READ/WRITE and FGDS_URING_CMD_READ/WRITE move data
  * between a file and a registration with no mapping and no pin at all, on
- * every kernel. Where the kernel can revoke an io_uring kernel buffer
- * (io_buffer_register_kbuf(), not upstream), FGDS_URING_CMD_REGISTER puts a
- * registration into a ring's fixed-buffer table without pinning it: a
- * revocation makes later requests on that slot fail with EFAULT, and its fence
- * signals once the last request that used the slot has been freed.
+ * every kernel, to block devices and files on ext4 or xfs whose NVMe drive
+ * can reach the GPU (EREMOTEIO elsewhere, struct fgds_io).
  *
  * The token stays registered until FGDS_IOCTL_UNREG_BUFFER or close: mmap()
  * of a revoked token fails with ENODEV. Revocation is permanent; register the
@@ -119,52 +116,13 @@ struct fgds_ioctl_unreg_buffer {
 #define FGDS_IOCTL_REG_BUFFER	_IOWR(FGDS_IOCTL_MAGIC, 0x01, struct fgds_ioctl_reg_buffer)
 #define FGDS_IOCTL_UNREG_BUFFER	_IOW(FGDS_IOCTL_MAGIC, 0x02, struct fgds_ioctl_unreg_buffer)
 
-/**
- * struct fgds_uring_buffer - the command of FGDS_URING_CMD_REGISTER and
- *	FGDS_URING_CMD_UNREGISTER, in the SQE's command area (sqe->cmd)
- * @idx: in: REGISTER: a token of the open file the command is issued on;
- *	UNREGISTER: 0
- * @index: in: the slot of the issuing ring's fixed-buffer table
- * @flags: in: reserved, must be 0
- *
- * io_uring commands (IORING_OP_URING_CMD, sqe->cmd_op, sqe->fd a node's open
- * file). FGDS_URING_CMD_REGISTER puts the whole registration into slot @index
- * of the issuing ring's table, which must exist (IORING_REGISTER_BUFFERS2
- * with IORING_RSRC_REGISTER_SPARSE) and be empty. Reads and writes then use
- * it as a fixed buffer (IORING_OP_READ_FIXED, IORING_OP_WRITE_FIXED,
- * sqe->buf_index = @index), with sqe->addr a byte offset into the
- * registration, and the kernel pins nothing per request. The slot holds a
- * reference on the registration (not on its memory) until it is emptied:
- * FGDS_URING_CMD_UNREGISTER, IORING_UNREGISTER_BUFFERS, or the ring's exit.
- * A registration of a dma-buf opened read-only can only be written from.
- *
- * On revocation, requests on the slot fail with EFAULT; the revocation fence
- * signals once the last request that used the slot has been freed, whether or
- * not the slot is emptied.
- *
- * Errors (the CQE's res):
- *
- * - EOPNOTSUPP: the kernel cannot revoke io_uring kernel buffers (every
- *   upstream kernel so far: the change is vm-images/kernel-patches/
- *   io-uring-revocable-kbuf of fgds's tree); map the token and use plain
- *   reads instead.
- * - EINVAL: @flags is not 0; @idx is not PAGE_SIZE aligned (REGISTER) or
- *   not 0 (UNREGISTER); @index is outside the ring's table (or the ring
- *   has none); UNREGISTER of an empty slot.
- * - ENOENT: no registration with token @idx on this open file.
- * - ENODEV: the registration was revoked.
- * - EBUSY: slot @index is in use (REGISTER), or holds a buffer the ring's
- *   user registered (UNREGISTER).
- * - ENOMEM: out of memory.
+/*
+ * 0x10 and 0x11 were FGDS_URING_CMD_REGISTER and FGDS_URING_CMD_UNREGISTER,
+ * which put a registration into an io_uring fixed-buffer slot on kernels
+ * with a change fgds carried (never upstream). Removed: any read or write of
+ * the ring, on any file, could use such a slot, and so hold a revocation.
+ * The numbers stay unused.
  */
-struct fgds_uring_buffer {
-	__u64 idx;
-	__u32 index;
-	__u32 flags;
-};
-
-#define FGDS_URING_CMD_REGISTER		_IOW(FGDS_IOCTL_MAGIC, 0x10, struct fgds_uring_buffer)
-#define FGDS_URING_CMD_UNREGISTER	_IOW(FGDS_IOCTL_MAGIC, 0x11, struct fgds_uring_buffer)
 
 /**
  * struct fgds_io - the argument of FGDS_IOCTL_READ and FGDS_IOCTL_WRITE, and

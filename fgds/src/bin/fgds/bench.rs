@@ -8,10 +8,9 @@
 //! - `ram`: into (or out of) RAM as a reader that wants the drive's best has it: 2 MiB aligned,
 //!   transparent huge pages asked for (`MADV_HUGEPAGE`), touched, and an io_uring fixed buffer
 //!   where the kernel takes one: the drive's ceiling;
-//! - `direct`: into a GPU buffer registered with fgds, and nothing of it pinned: where the
-//!   kernel can revoke an io_uring kernel buffer (`vm-images/kernel-patches/io-uring-revocable-kbuf`),
-//!   the registration is each ring's fixed buffer through `FGDS_URING_CMD_REGISTER`; elsewhere
-//!   fgds moves the data itself (`FGDS_URING_CMD_READ`/`WRITE`: no mapping, no pin); with `--fixed-buffers off`, requests name the mapped address and pin its pages
+//! - `direct`: into a GPU buffer registered with fgds, and nothing of it pinned: fgds moves the
+//!   data itself (`FGDS_URING_CMD_READ`/`WRITE`: no mapping, no pin); with
+//!   `--fixed-buffers off`, requests name the mapped address and pin its pages
 //!   one by one while in flight (GPU memory is never pinned long-term);
 //! - `bounce`: what a loader without GPU-direct I/O does (cuFile's compatibility mode): reads
 //!   into RAM staging like `ram`'s (pinned as a fixed buffer), then the fastest CPU copy into
@@ -202,9 +201,6 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             Err(reason) => eprintln!(
                 "bench: {mode}: no fixed buffers ({reason}); requests pin their pages one by one"
             ),
-            Ok(Fixed::Slot) => eprintln!(
-                "bench: {mode}: each ring's fixed buffer is the registration, through FGDS_URING_CMD_REGISTER"
-            ),
             Ok(Fixed::Command) => eprintln!(
                 "bench: {mode}: fgds moves the data itself, through FGDS_URING_CMD_READ/WRITE"
             ),
@@ -337,7 +333,6 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "fixed_buffers": fixed.is_ok(),
             "fixed_buffer_kind": fixed.as_ref().ok().map(|kind| match kind {
                 Fixed::Pinned => "pinned",
-                Fixed::Slot => "fgds-uring-cmd",
                 Fixed::Command => "fgds-io-commands",
             }),
             "fixed_buffers_refused": fixed.err(),
@@ -821,9 +816,6 @@ type Ring = IoUring<Entry128>;
 enum Fixed {
     /// `IORING_REGISTER_BUFFERS`: pinned once; requests name it by address.
     Pinned,
-    /// `direct`: the fgds registration, put into slot 0 by `FGDS_URING_CMD_REGISTER`;
-    /// requests name it by offset from the registration's start.
-    Slot,
     /// `direct`: no fixed buffer; fgds moves the data itself (`FGDS_URING_CMD_READ`/`WRITE`),
     /// requests naming the registration's token and an offset into it.
     Command,
@@ -846,26 +838,12 @@ fn make_rings(
         return Ok((rings, Err("--fixed-buffers off".to_owned())));
     }
     if let Target::Direct { buffer, .. } = target {
-        let slots = rings.iter_mut().try_for_each(|ring| {
-            ring.submitter()
-                .register_buffers_sparse(1)
-                .map_err(|err| format!("a sparse fixed-buffer table: {err}"))?;
-            buffer
-                .register_in_ring(ring, 0)
-                .map_err(|err| err.to_string())
-        });
-        return match slots {
-            Ok(()) => Ok((rings, Ok(Fixed::Slot))),
-            Err(reason) if opts.fixed_buffers == FixedBuffers::On => {
-                bail!("{reason} (--fixed-buffers on)")
+        return match fgds_commands(&mut rings[0], buffer) {
+            Ok(()) => Ok((rings, Ok(Fixed::Command))),
+            Err(why) if opts.fixed_buffers == FixedBuffers::On => {
+                bail!("{why} (--fixed-buffers on)")
             }
-            Err(reason) => {
-                release_rings(&rings);
-                match fgds_commands(&mut rings[0], buffer) {
-                    Ok(()) => Ok((rings, Ok(Fixed::Command))),
-                    Err(why) => Ok((rings, Err(format!("{reason}; {why}")))),
-                }
-            }
+            Err(why) => Ok((rings, Err(why))),
         };
     }
     for (t, ring) in rings.iter().enumerate() {
@@ -1098,9 +1076,9 @@ fn thread_io(
                 slot
             }
         };
-        // A slot made by fgds is addressed from 0, the registration's start.
+        // fgds's commands address the registration from 0, its start.
         let base = match io.fixed {
-            Some(Fixed::Slot | Fixed::Command) => 0,
+            Some(Fixed::Command) => 0,
             _ => io.target.io_ptr() as usize,
         };
         let ptr = (base + at(slot)) as *mut u8;
