@@ -145,6 +145,12 @@ int fgds_io_gate(struct fgds_gpu *gpu, struct file *file, int fd, bool write)
 	struct inode *inode = file_inode(file);
 	struct super_block *sb = inode->i_sb;
 
+	if (!S_ISBLK(inode->i_mode) && !S_ISREG(inode->i_mode)) {
+		fgds_refuse(gpu, fd,
+			    "%s: fgds's reads and writes take block devices and files on ext4 or xfs only",
+			    fgds_file_type(inode->i_mode));
+		return -EREMOTEIO;
+	}
 	if (!(file->f_mode & (write ? FMODE_PWRITE : FMODE_PREAD))) {
 		fgds_refuse(gpu, fd, "the file cannot be %s at an offset",
 			    write ? "written" : "read");
@@ -152,12 +158,6 @@ int fgds_io_gate(struct fgds_gpu *gpu, struct file *file, int fd, bool write)
 	}
 	if (S_ISBLK(inode->i_mode))
 		return fgds_gate_bdev(gpu, fd, I_BDEV(file->f_mapping->host));
-	if (!S_ISREG(inode->i_mode)) {
-		fgds_refuse(gpu, fd,
-			    "%s: fgds's reads and writes take block devices and files on ext4 or xfs only",
-			    fgds_file_type(inode->i_mode));
-		return -EREMOTEIO;
-	}
 	if (!fgds_fs_is_block(sb)) {
 		fgds_refuse(gpu, fd,
 			    "a file on %s: its direct I/O is not the block layer's DMA (fgds takes files on ext4 or xfs); go through RAM",
