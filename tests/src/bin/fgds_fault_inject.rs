@@ -627,11 +627,15 @@ const REVOKE_HOLD: Duration = Duration::from_millis(400);
 /// only after the read ended, and nothing of the read lands once vgpu reuses the memory. The
 /// walk must reach fgds's reservation at least once.
 fn revocation_case() -> CaseResult {
-    let inj = match setup_or_skip()? {
+    // Slab failures only: page allocations (slab refills) would make the count of points
+    // before fgds's reservation vary from one revocation to the next.
+    fault::require_idle()?;
+    let inj = match Injection::new(false)? {
         Ok(inj) => inj,
         Err(reason) => return ktap::skip(reason),
     };
     const LEN: u64 = MIB;
+    let revoke_path = format!("/sys/class/vgpu/{}/revoke", common::vgpu_name()?);
     let mut kmsg = Kmsg::open()?;
     let mut reserved_retry = false;
     let node = common::open_node()?;
@@ -666,11 +670,19 @@ fn revocation_case() -> CaseResult {
                 std::thread::sleep(REVOKE_HOLD);
                 bp.resume()
             });
+            // Opened first: only the write (the revocation itself) is injected.
+            let mut attr = OpenOptions::new()
+                .write(true)
+                .open(&revoke_path)
+                .with_context(|| format!("open {revoke_path}"))?;
             let (injected, res) = armed(&inj, n, || {
-                Ok(common::revoke(bar_off)
+                use std::io::Write;
+                Ok(attr
+                    .write_all(bar_off.to_string().as_bytes())
                     .err()
-                    .map(|e| errno_of(&e).unwrap_or(Errno::IO)))
+                    .map(|e| Errno::from_raw_os_error(e.raw_os_error().unwrap_or(libc::EIO))))
             })?;
+            drop(attr);
             let resumed = REVOKE_HOLD;
             fault::join(resumer, "resume")?.context("resume the held read")?;
             let read = fault::join(reader, "read")?;
@@ -713,12 +725,4 @@ fn revocation_case() -> CaseResult {
     drop((node, vgpu, nvme));
     fault::wait_counters_zero("after the case")?;
     ktap::pass()
-}
-
-/// The errno inside an error from a failed write, if any.
-fn errno_of(err: &anyhow::Error) -> Option<Errno> {
-    err.chain()
-        .find_map(|e| e.downcast_ref::<std::io::Error>())
-        .and_then(|e| e.raw_os_error())
-        .map(Errno::from_raw_os_error)
 }
