@@ -335,18 +335,29 @@ void fgds_io_release(struct fgds_io_req *req)
  */
 ssize_t fgds_io(struct fgds_file *f, const struct fgds_io *arg, bool write)
 {
-	struct fgds_io_req req;
+	struct fgds_io_req *req;
 	struct iov_iter iter;
 	ssize_t ret;
 
-	ret = fgds_io_prepare(&req, f, arg, write, false, &iter);
+	req = kzalloc(sizeof(*req), GFP_KERNEL);
+	if (!req)
+		return -ENOMEM;
+	ret = fgds_io_prepare(req, f, arg, write, false, &iter);
 	if (ret)
-		return ret;
-	ret = fgds_io_issue(&req, &iter);
-	/* A synchronous kiocb: the file's method waited for its I/O. */
+		goto free;
+	ret = fgds_io_issue(req, &iter);
+	/*
+	 * A synchronous kiocb: the file's method waited for its I/O. One that
+	 * answers -EIOCBQUEUED breaks that contract and may still have I/O on
+	 * the registration's pages: the request, its @users reference and all
+	 * it holds are kept for good, so that the revocation waits for ever
+	 * rather than give the exporter memory that DMA may still reach.
+	 */
 	if (WARN_ON_ONCE(ret == -EIOCBQUEUED))
-		ret = -EIO;
-	fgds_io_release(&req);
+		return -EIO;
+	fgds_io_release(req);
+free:
+	kfree(req);
 	return ret;
 }
 
