@@ -23,11 +23,13 @@
  *    (md, dm, NVMe multipath heads, fabrics) is refused: fgds cannot name
  *    the devices that would do the DMA, nor bound how long its I/O waits
  *    for a path;
- *  - on kernels that map a request by its first segment
- *    (blk_rq_dma_map_iter_start()), P2PDMA pages are not to share a request
- *    with RAM. User pages get REQ_NOMERGE from bio_iov_iter_get_pages(); a
- *    bvec bio does not, so fgds requires the queue not to merge at all
- *    (nomerges=2: QUEUE_FLAG_NOMERGES, which every merge path tests).
+ *  - P2PDMA pages never share a request with RAM: kernels that map a
+ *    request by its first segment (blk_rq_dma_map_iter_start(), 6.17 on)
+ *    would map RAM as bus addresses or BAR pages through the IOMMU as RAM.
+ *    User pages get REQ_NOMERGE from bio_iov_iter_get_pages(); a bvec bio
+ *    does not, so fgds requires the queue not to merge at all (nomerges=2:
+ *    QUEUE_FLAG_NOMERGES, which every merge path tests), on every kernel.
+ *    GENERIC pages are RAM to the DMA layer: they may merge.
  *
  * What is admitted then completes within the block layer's own bound for
  * the device: its I/O timeout, retries and controller reset
@@ -118,11 +120,9 @@ static int fgds_gate_bdev(struct fgds_gpu *gpu, int fd,
 			    bdev, why, pci_name(pdev));
 		return -EREMOTEIO;
 	}
-	if (FGDS_BLK_MAPS_BY_FIRST_SEGMENT &&
-	    READ_ONCE(gpu->mode) != FGDS_MODE_GENERIC &&
-	    !blk_queue_nomerges(q)) {
+	if (READ_ONCE(gpu->mode) != FGDS_MODE_GENERIC && !blk_queue_nomerges(q)) {
 		fgds_refuse(gpu, fd,
-			    "requests of %pg may merge: this kernel maps a whole request the way its first segment needs, so GPU and RAM segments must not share one; echo 2 > /sys/block/%s/queue/nomerges",
+			    "requests of %pg may merge, and P2PDMA pages must not share a request with RAM; echo 2 > /sys/block/%s/queue/nomerges",
 			    bdev, bdev->bd_disk->disk_name);
 		return -EREMOTEIO;
 	}

@@ -171,18 +171,6 @@ static inline void fgds_vm_flags_clear(struct vm_area_struct *vma,
 #endif
 
 /*
- * Where the block layer maps a whole request the way its first segment needs
- * (a P2P bus address, or an ordinary DMA mapping), GPU and RAM segments must
- * never share a request (gate.c). Before, nvme-pci mapped requests with
- * dma_map_sgtable(), which decides per segment.
- */
-#ifdef FGDS_HAVE_BLK_RQ_DMA_MAP_ITER_START
-#define FGDS_BLK_MAPS_BY_FIRST_SEGMENT 1
-#else
-#define FGDS_BLK_MAPS_BY_FIRST_SEGMENT 0
-#endif
-
-/*
  * The importer's invalidation callback: move_notify up to 6.12 (where
  * dma_buf_dynamic_attach() refuses importer ops without it), renamed
  * invalidate_mappings in 7.x.

@@ -256,8 +256,8 @@ fn kernel_log() -> anyhow::Result<Vec<(u64, String)>> {
 }
 
 /// Sets `/sys/block/NAME/queue/nomerges` of the disk at `dev` (`/dev/NAME`) to 2, as the rig's
-/// init does at boot: fgds's own reads and writes need it on kernels that map a request by its
-/// first segment (driver/fgds/gate.c). A drive plugged back in or rebound starts at 0 again.
+/// init does at boot: fgds's own reads and writes of P2PDMA pages need it (driver/fgds/gate.c).
+/// A drive plugged back in or rebound starts at 0 again.
 pub fn no_merges(dev: &std::path::Path) -> anyhow::Result<()> {
     let name = dev
         .file_name()

@@ -86,7 +86,6 @@ const PROBES: &[(&str, Has)] = &[
     ("PCIM_REQUEST_REGION", Has::Since(6, 12)),
     ("MODULE_IMPORT_NS_STRING", Has::Since(6, 13)),
     ("VMF_INSERT_FOLIO_PMD", Has::Since(6, 15)),
-    ("BLK_RQ_DMA_MAP_ITER_START", Has::Since(6, 17)),
     ("P2PDMA_PROVIDER_API", Has::Since(6, 19)),
     ("DMA_BUF_INVALIDATE_MAPPINGS", Has::Since(7, 0)),
     ("IO_URING_CMD_FROM_TW", Has::Since(7, 0)),
@@ -483,7 +482,7 @@ mod tests {
         assert_eq!(wrong.len(), 1, "{wrong:?}");
         assert!(wrong[0].contains("P2PDMA_ADD_RESOURCE_FOLIOS is set, expected unset (with the"));
         let wrong = probe_mismatches(&all, (6, 12), &[]);
-        assert_eq!(wrong.len(), 10, "{wrong:?}");
+        assert_eq!(wrong.len(), 9, "{wrong:?}");
         assert!(wrong[0].starts_with("FGDS_HAVE_MODULE_IMPORT_NS_STRING is set, expected unset"));
         let none = "/* FGDS_HAVE_VM_FLAGS_SET: no */\n";
         assert_eq!(probe_mismatches(none, (6, 1), &[]), Vec::<String>::new());

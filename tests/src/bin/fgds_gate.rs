@@ -2,8 +2,8 @@
 //! only when some process decides (a pipe, a socket), files whose data the CPU copies (tmpfs)
 //! and block devices whose queues take no P2PDMA pages (loop, brd, zram, dm-crypt) are refused
 //! with EREMOTEIO by both ioctls and both io_uring commands, before a page is handed out; a
-//! revocation started while a write into a full pipe is attempted ends at once; on kernels
-//! that map a request by its first segment, a queue that may merge is refused; and where fgds
+//! revocation started while a write into a full pipe is attempted ends at once; with P2PDMA
+//! pages, a queue that may merge is refused; and where fgds
 //! goes, one ring's batch of adjacent reads and writes alternating RAM and GPU memory, from two
 //! processes at once, puts every byte where it belongs.
 
@@ -68,7 +68,7 @@ fn main() {
             run: revocation_not_held_by_a_full_pipe,
         },
         Case {
-            name: "merging_queue_refused_where_requests_map_by_first_segment",
+            name: "merging_queue_refused_for_p2pdma_pages",
             run: merging_queue_refused,
         },
         Case {
@@ -467,18 +467,6 @@ fn revocation_not_held_by_a_full_pipe() -> CaseResult {
     ktap::pass()
 }
 
-/// Whether the guest kernel maps a request for DMA by its first segment: nvme-pci does through
-/// blk_rq_dma_map_iter_start() from Linux 6.17 (driver/include/fgds_compat.h,
-/// FGDS_BLK_MAPS_BY_FIRST_SEGMENT, which a compile probe decides).
-fn maps_by_first_segment() -> anyhow::Result<bool> {
-    let release = common::kernel_release()?;
-    let mut parts = release
-        .split(['.', '-'])
-        .map(|p| p.parse::<u32>().unwrap_or(0));
-    let series = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    Ok(series >= (6, 17))
-}
-
 /// The raw drive's `/sys/block/NAME/queue/nomerges`.
 fn nomerges_path() -> anyhow::Result<PathBuf> {
     let dev = fgds_tests::guest::nvme_path()?;
@@ -491,9 +479,8 @@ fn nomerges_path() -> anyhow::Result<PathBuf> {
 }
 
 /// With the raw drive's queue allowed to merge (nomerges 0), fgds refuses its reads and writes
-/// where P2PDMA pages would be mapped by the first segment of a merged request (and GENERIC
-/// pages are RAM to the DMA layer, so they go), and takes them where the kernel maps each
-/// segment on its own.
+/// of P2PDMA pages, which must never share a request with RAM (GENERIC pages are RAM to the DMA
+/// layer, so they go); the crate's `Transfer` then takes the mapped address.
 fn merging_queue_refused() -> CaseResult {
     fault::require_idle()?;
     let nomerges = nomerges_path()?;
@@ -513,13 +500,12 @@ fn merging_queue_refused() -> CaseResult {
     ktap::diag(format_args!("the crate's Transfer took {path:?}"));
     ctl::gpu_check(bar_off, MIB, SEED_GPU).context("GPU memory after the crate's read")?;
     let p2pdma_pages = fgds_tests::guest::expected_mode()? != "generic";
-    let refuse = maps_by_first_segment()? && p2pdma_pages;
+    let refuse = p2pdma_pages;
     match (refuse, got) {
         (true, Err(e)) if e == libc::EREMOTEIO => {}
         (false, Ok(n)) if n == 64 * 1024 => {}
         (true, got) => bail!(
-            "a read from a queue that may merge gave {got:?}, want EREMOTEIO: this kernel maps a \
-             request by its first segment and the pages are P2PDMA"
+            "a read from a queue that may merge gave {got:?}, want EREMOTEIO: the pages are P2PDMA"
         ),
         (false, got) => bail!("a read from a queue that may merge gave {got:?}, want 65536 bytes"),
     }

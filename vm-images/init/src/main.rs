@@ -368,8 +368,8 @@ fn prepare_drives() -> (Drives, Vec<String>) {
     if drives.nvme2.is_none() {
         errors.push("no NVMe namespace of serial fgds1 (the second drive)".to_owned());
     }
-    // fgds's own reads and writes need queues that never merge on kernels that map a request
-    // by its first segment (driver/fgds/gate.c); the rig sets it on every kernel alike.
+    // fgds's own reads and writes of P2PDMA pages need queues that never merge
+    // (driver/fgds/gate.c); the rig sets it on every kernel alike.
     for dev in [&drives.nvme, &drives.ext4, &drives.nvme2]
         .into_iter()
         .flatten()

@@ -168,9 +168,9 @@ struct fgds_ioctl_unreg_buffer {
  *   socket, tmpfs, FUSE, NFS, ...), or its file's data goes through the CPU
  *   (DAX, encryption, verity), or its block device's queue takes no P2PDMA
  *   pages (loop, brd, zram, dm, md, ...), is on no PCI device, is not
- *   reachable from the GPU, or may merge requests on a kernel that maps a
- *   request by its first segment (set its queue's nomerges to 2). Nothing was
- *   moved; the kernel log says which. Read through RAM instead.
+ *   reachable from the GPU, or, with P2PDMA pages, may merge requests (set
+ *   its queue's nomerges to 2). Nothing was moved; the kernel log says which.
+ *   Read through the mapping or RAM instead.
  * - EOPNOTSUPP: (io_uring commands) this kernel's io_uring cannot post the
  *   commands' byte counts (Linux 6.1); use FGDS_IOCTL_READ/WRITE.
  * - ENOMEM: out of memory.
