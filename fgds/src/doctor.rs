@@ -179,6 +179,9 @@ pub struct Drive {
     /// Whether its queues accept P2PDMA pages: `Some` where the kernel shows it (debugfs
     /// `state` up to 6.10), else what the transport implies.
     pub p2p: P2pSupport,
+    /// Its namespaces whose queues may merge requests (`queue/nomerges` not 2): fgds's own
+    /// reads and writes of P2PDMA pages refuse them (docs/driver.md, The gate).
+    pub merging: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -576,6 +579,14 @@ fn drives(root: &Path) -> Vec<Drive> {
                 None => P2pSupport::PciePresumed,
             }
         };
+        let merging = namespaces
+            .iter()
+            .filter(|ns| {
+                read(root, &format!("sys/block/{ns}/queue/nomerges"))
+                    .is_some_and(|v| v.trim() != "2")
+            })
+            .cloned()
+            .collect();
         drives.push(Drive {
             name,
             transport,
@@ -583,6 +594,7 @@ fn drives(root: &Path) -> Vec<Drive> {
             iommu,
             namespaces,
             p2p,
+            merging,
         });
     }
     drives.sort_by(|a, b| a.name.cmp(&b.name));
@@ -743,6 +755,15 @@ fn verdict(report: &Report) -> Verdict {
     {
         blockers
             .push("no NVMe queue accepts P2PDMA pages (debugfs state lacks PCI_P2PDMA)".to_owned());
+    }
+    let p2pdma = mode.as_deref() == Some("p2pdma") || mode.as_deref() == Some("exporter-p2pdma");
+    for d in pcie.iter().filter(|d| p2pdma && !d.merging.is_empty()) {
+        notes.push(format!(
+            "{} may merge requests ({}): fgds's own reads and writes of P2PDMA pages refuse it, and reads go through the mapping instead; for fgds's commands: echo 2 > /sys/block/{}/queue/nomerges",
+            d.name,
+            d.merging.join(" "),
+            d.merging[0]
+        ));
     }
     if let Some(gpu) = gpu {
         for (drive, meet) in &gpu.paths {
@@ -994,6 +1015,7 @@ impl Report {
                 "iommu": iommu(&d.iommu),
                 "namespaces": d.namespaces,
                 "p2p": format!("{:?}", d.p2p),
+                "merging": d.merging,
             })).collect::<Vec<_>>(),
             "group": {"gid": self.group.gid, "member": self.group.member, "root": self.group.root},
             "verdict": {
@@ -1257,6 +1279,21 @@ mod tests {
             "{:?}",
             report.verdict.blockers
         );
+
+        // A queue that may merge: nothing to say with GENERIC pages, which may merge with RAM;
+        // with P2PDMA pages fgds's commands refuse it, and the note says how to allow them.
+        f.write("sys/block/nvme0n1/queue/nomerges", "0\n");
+        let merges = |r: &Report| r.verdict.notes.iter().any(|n| n.contains("nomerges"));
+        let report = examine(&f.root, &who, Err(String::new()));
+        assert_eq!(report.drives[0].merging, vec!["nvme0n1".to_owned()]);
+        assert!(!merges(&report), "{:?}", report.verdict.notes);
+        f.write("sys/class/fgds/fgds_0000_03_00_0/mode", "p2pdma\n");
+        let report = examine(&f.root, &who, Err(String::new()));
+        assert!(merges(&report), "{:?}", report.verdict.notes);
+        f.write("sys/block/nvme0n1/queue/nomerges", "2\n");
+        let report = examine(&f.root, &who, Err(String::new()));
+        assert!(report.drives[0].merging.is_empty());
+        assert!(!merges(&report), "{:?}", report.verdict.notes);
     }
 
     #[test]
