@@ -969,6 +969,12 @@ fn unreg_of_a_used_registration_racing_an_invalidation() -> CaseResult {
     ktap::diag(format_args!(
         "{rounds} rounds, the revocation first in {revoked_first}"
     ));
+    // A race proves something only if it went both ways.
+    ensure!(
+        revoked_first > 0 && revoked_first < rounds,
+        "in {rounds} rounds the revocation came first {revoked_first} times: the sweep never \
+         put the UNREG on both sides of it"
+    );
     drop(node);
     fault::wait_counters_zero("after the races")?;
     fault::wait_vgpu_buffers_gone("after the races: fgds let every buffer go")?;
