@@ -130,6 +130,9 @@ struct fgds_geometry {
  *	are 2 MiB folios; all others single pages)
  * @idle_refs: references a page of the provider holds when nobody uses it,
  *	read off the pages at setup (gpu.c, fgds_own_idle_refs())
+ * @gate_diskseq: the disk (its diskseq, never reused) whose DMA device the
+ *	gate last found able to reach this provider's pages; 0 for none
+ *	(gate.c; cleared when the provider goes)
  * @memtype_wc: fgds holds a write-combine memory type reservation on the BAR
  * @p2p_claim: P2PDMA mode: kernel address of the whole-BAR genpool claim;
  *	NULL where the pages are large folios, which are not in the genpool
@@ -170,6 +173,7 @@ struct fgds_gpu {
 	struct dev_pagemap *pgmap;
 	unsigned int order;
 	unsigned int idle_refs;
+	u64 gate_diskseq;
 	bool memtype_wc;
 	void *p2p_claim;
 	void *p2p_group;

@@ -97,6 +97,7 @@ static int fgds_gate_bdev(struct fgds_gpu *gpu, int fd,
 			  struct block_device *bdev)
 {
 	struct request_queue *q = bdev_get_queue(bdev);
+	u64 seq = bdev->bd_disk->diskseq;
 	struct pci_dev *pdev;
 	const char *why;
 
@@ -106,6 +107,12 @@ static int fgds_gate_bdev(struct fgds_gpu *gpu, int fd,
 			    bdev);
 		return -EREMOTEIO;
 	}
+	/*
+	 * The disk's DMA device and its reach stay what they are for the
+	 * disk's life; its diskseq is never given to another disk.
+	 */
+	if (READ_ONCE(gpu->gate_diskseq) == seq)
+		goto merges;
 	pdev = fgds_disk_pci_dev(bdev->bd_disk);
 	if (!pdev) {
 		fgds_refuse(gpu, fd,
@@ -116,10 +123,12 @@ static int fgds_gate_bdev(struct fgds_gpu *gpu, int fd,
 	why = fgds_gpu_dma_dev_check(gpu, pdev);
 	if (why) {
 		fgds_refuse(gpu, fd,
-			    "%pg: %s %s; put the drive and the GPU behind one PCIe switch (docs/driver.md, Topology)",
+			    "%pg: %s %s; put the drive and the GPU behind one PCIe switch (docs/driver.md, The gate)",
 			    bdev, why, pci_name(pdev));
 		return -EREMOTEIO;
 	}
+	WRITE_ONCE(gpu->gate_diskseq, seq);
+merges:
 	if (READ_ONCE(gpu->mode) != FGDS_MODE_GENERIC && !blk_queue_nomerges(q)) {
 		fgds_refuse(gpu, fd,
 			    "requests of %pg may merge, and P2PDMA pages must not share a request with RAM; echo 2 > /sys/block/%s/queue/nomerges",

@@ -778,6 +778,7 @@ void fgds_gpu_drop_pages(struct fgds_gpu *gpu)
 		pci_info(gpu->pdev, "fgds: %s pages released\n",
 			 fgds_mode_name(gpu->mode));
 	gpu->order = 0;
+	WRITE_ONCE(gpu->gate_diskseq, 0);
 	WRITE_ONCE(gpu->mode, FGDS_MODE_NONE);
 }
 
