@@ -18,7 +18,10 @@
 //!   `0x` hex; offsets and lengths multiples of 8;
 //! - `qemu_cpu`: the CPU time QEMU has used so far, in nanoseconds, all its threads and its
 //!   vCPU threads alone: `ok <all> <vcpus>` (`QemuCpu`), for the bench to tell the host's
-//!   cost of a mode (device emulation, DMA) from the guest's;
+//!   cost of a mode (device emulation, DMA) from the guest's (under single-threaded TCG one
+//!   thread, `ALL CPUs/TCG`, runs every vCPU);
+//! - `qemu_backing`: how the host backs the GPU's memory and the guest's RAM (file system,
+//!   pages mapped with PMDs, huge pages), from QEMU's smaps: `ok <json>` (`crate::backing`);
 //! - `log <text>`: only recorded.
 //!
 //! Every request, its reply and its timing go to the run's fault log, so a run's artifacts say
@@ -171,6 +174,23 @@ fn run(
                     writer.write_all(format!("{reply}\n").as_bytes())?;
                     continue;
                 }
+                if request == "qemu_backing" {
+                    let reply = match qemu
+                        .pid
+                        .ok_or_else(|| {
+                            anyhow::format_err!(
+                                "QEMU's pid is unknown (SO_PEERCRED on the control socket failed)"
+                            )
+                        })
+                        .and_then(|pid| crate::backing::describe(pid, &gpu.backing))
+                    {
+                        Ok(json) => format!("ok {json}"),
+                        Err(err) => format!("error {}", format!("{err:#}").replace('\n', "; ")),
+                    };
+                    log.line(&format!("qemu_backing: {reply}"));
+                    writer.write_all(format!("{reply}\n").as_bytes())?;
+                    continue;
+                }
                 log.line(&format!("request: {request}"));
                 let started = Instant::now();
                 let reply = match execute(&mut session, &request, gpu, &mut backends) {
@@ -224,7 +244,7 @@ fn execute(
         "log" => Ok(String::new()),
         other => anyhow::bail!(
             "unknown request {other:?}: use device_del, device_add, gpu_add, hmp, gpu_check, \
-             qemu_cpu or log"
+             qemu_cpu, qemu_backing or log"
         ),
     }
 }
@@ -275,7 +295,8 @@ impl QemuCpu {
     }
 
     /// The nanoseconds QEMU's threads ran so far: all of them, and the vCPU threads alone
-    /// (named `CPU <n>/TCG` or `CPU <n>/KVM`). Only differences between readings mean much.
+    /// (named `CPU <n>/TCG`, `CPU <n>/KVM`, or under single-threaded TCG `ALL CPUs/TCG`). Only
+    /// differences between readings mean much.
     fn read(&mut self) -> anyhow::Result<(u64, u64)> {
         use anyhow::Context;
         let pid = self
@@ -304,7 +325,7 @@ impl QemuCpu {
             let vcpu = match self.seen.get(&tid) {
                 Some(&(_, vcpu)) => vcpu,
                 None => std::fs::read_to_string(entry.path().join("comm"))
-                    .is_ok_and(|c| c.starts_with("CPU ")),
+                    .is_ok_and(|c| is_vcpu_thread(c.trim_end())),
             };
             let grew = ran.saturating_sub(self.seen.get(&tid).map_or(0, |&(r, _)| r));
             self.all += grew;
@@ -316,6 +337,11 @@ impl QemuCpu {
         self.seen = now;
         Ok((self.all, self.vcpus))
     }
+}
+
+/// Whether a QEMU thread of this name runs guest CPUs: `CPU 0/TCG`, `CPU 1/KVM`, `ALL CPUs/TCG`.
+fn is_vcpu_thread(comm: &str) -> bool {
+    comm.ends_with("/TCG") || comm.ends_with("/KVM")
 }
 
 /// `gpu_check <offset> <len> <seed> [<pattern-offset>]` over the GPU's backing file `backing`
@@ -404,7 +430,17 @@ fn device_del(session: &mut qmp::Session, id: &str) -> anyhow::Result<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::gpu_check;
+    use super::{gpu_check, is_vcpu_thread};
+
+    #[test]
+    fn vcpu_threads_by_name() {
+        for name in ["CPU 0/TCG", "CPU 1/KVM", "ALL CPUs/TCG"] {
+            assert!(is_vcpu_thread(name), "{name}");
+        }
+        for name in ["qemu-system-x86", "worker", "IO iothread0", "call_rcu"] {
+            assert!(!is_vcpu_thread(name), "{name}");
+        }
+    }
     use fgds_tests::pattern;
 
     fn backing(name: &str, bytes: &[u8]) -> std::path::PathBuf {

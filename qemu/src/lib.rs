@@ -2,6 +2,7 @@
 //! switch), the QEMU process and its QMP socket, and the parsing of what the guest reports
 //! (KTAP results, kernel console splats).
 
+pub mod backing;
 pub mod console;
 pub mod control;
 pub mod ktap;

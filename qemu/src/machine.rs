@@ -48,6 +48,8 @@ pub struct Config {
     pub gpu_bytes: u64,
     /// I/O errors the drive returns at fixed sectors.
     pub nvme_errors: Vec<InjectError>,
+    /// The first NVMe controller's `mdts`, where not QEMU's default (7: 512 KiB per command).
+    pub nvme_mdts: Option<u8>,
     /// A translating vIOMMU (intel-iommu), with each device on its own root port.
     pub iommu: bool,
     /// Where the console log, the KTAP log, the QEMU log and the QMP socket go.
@@ -120,6 +122,10 @@ pub fn args(config: &Config) -> Vec<String> {
         "-accel",
         accel,
         "-nodefaults",
+        // Threads named by their role (`CPU 0/TCG`, `worker`, ...): without it every thread is
+        // `qemu-system-x86`, and the bench cannot tell the vCPUs' time from the devices'.
+        "-name",
+        "fgds,debug-threads=on",
         "-no-reboot",
         // pvpanic reports a panic from a panic notifier, which runs before the kernel flushes
         // its console: QEMU's default action (shutdown) would end the machine with the oops
@@ -241,7 +247,12 @@ pub fn args(config: &Config) -> Vec<String> {
     // Namespace 1: the raw drive; namespace 2: ext4.
     push(&[
         "-device",
-        &format!("nvme,id={NVME_ID},serial=fgds0,bus=dn0"),
+        &format!(
+            "nvme,id={NVME_ID},serial=fgds0,bus=dn0{}",
+            config
+                .nvme_mdts
+                .map_or(String::new(), |m| format!(",mdts={m}"))
+        ),
     ]);
     push(&[
         "-device",
@@ -551,6 +562,7 @@ mod tests {
             gpu_backing: "gpu".into(),
             gpu_bytes: 1 << 28,
             nvme_errors: Vec::new(),
+            nvme_mdts: None,
             iommu: false,
             run_dir: "run".into(),
         }

@@ -267,6 +267,24 @@ pub fn no_merges(dev: &std::path::Path) -> anyhow::Result<()> {
     std::fs::write(&path, "2").with_context(|| format!("cannot write 2 to {path}"))
 }
 
+/// Raises `/sys/block/NAME/queue/max_sectors_kb` of the disk at `dev` to `max_hw_sectors_kb`,
+/// the driver's own limit (the block layer's default stops at 1280 KiB), and returns it: a
+/// benchmark's requests up to that size then reach the drive whole.
+pub fn max_sectors_to_hw(dev: &std::path::Path) -> anyhow::Result<u64> {
+    let name = dev
+        .file_name()
+        .with_context(|| format!("{} names no disk", dev.display()))?
+        .to_string_lossy();
+    let queue = format!("/sys/block/{name}/queue");
+    let hw = std::fs::read_to_string(format!("{queue}/max_hw_sectors_kb"))
+        .with_context(|| format!("cannot read {queue}/max_hw_sectors_kb"))?;
+    let hw = hw.trim();
+    std::fs::write(format!("{queue}/max_sectors_kb"), hw)
+        .with_context(|| format!("cannot write {hw} to {queue}/max_sectors_kb"))?;
+    hw.parse()
+        .with_context(|| format!("{queue}/max_hw_sectors_kb: {hw:?}"))
+}
+
 /// A tmpfs of the guest's own at `dir`, mounted unless it already is.
 pub fn tmpfs(dir: &std::path::Path) -> anyhow::Result<()> {
     let mounts = std::fs::read_to_string("/proc/self/mounts")?;

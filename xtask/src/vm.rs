@@ -58,6 +58,11 @@ pub struct Options {
     /// Run these programs of tests/ (name and timeout) instead of the suite.
     #[arg(skip)]
     pub programs: Vec<(String, u64)>,
+    /// The NVMe controller's `mdts` (largest transfer, as a power of two of 4 KiB; 0: no
+    /// limit), where not QEMU's default (7: 512 KiB). `cargo xtask bench` lifts it, so that no
+    /// request of its grid up to the guest driver's own limit is split.
+    #[arg(skip)]
+    pub nvme_mdts: Option<u8>,
     /// A translating vIOMMU (intel-iommu); devices on separate root ports, P2P through the
     /// host bridge.
     #[arg(long)]
@@ -94,6 +99,7 @@ impl Options {
             append: String::new(),
             gpu_bytes: pattern::GPU_MEMORY_BYTES,
             programs: Vec::new(),
+            nvme_mdts: None,
         }
     }
 }
@@ -414,6 +420,7 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         gpu_backing: gpu_backing.clone(),
         gpu_bytes: opts.gpu_bytes,
         nvme_errors: nvme_errors(),
+        nvme_mdts: opts.nvme_mdts,
         iommu: opts.iommu,
         ext4_image,
         nvme2_image,

@@ -1,7 +1,8 @@
 //! The `fgds` CLI in the guest: `fgds list` shows the GPU and its mode, `fgds read` and
 //! `fgds write` move the right bytes through one GPU buffer, and `fgds bench` runs every mode,
-//! reporting each one's throughput as a ratio of `ram` (p2pmem skipped with a reason where the
-//! kernel or exporter has none).
+//! reporting each one's throughput as a ratio of `ram` and the drive's requests per I/O (p2pmem
+//! not offered, with the reason, where the exporter published no P2PDMA memory), and fails when
+//! a mode asked for cannot run.
 
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::FileExt;
@@ -156,9 +157,20 @@ fn bench_runs_every_mode() -> CaseResult {
             row["mib_s"].as_f64().is_some_and(|v| v > 0.0),
             "mode {m} has no throughput: {row}"
         );
+        // Every request reached the drive (its `stat` counts them), whole (1 MiB, within the
+        // rig's 512 KiB commands: two) or split: a mode that reports I/O it did not do fails.
         ensure!(
-            row["ratio_to_ram"].as_f64().is_some_and(|v| v > 0.0),
-            "mode {m} has no ratio to ram: {row}"
+            row["requests_per_io"].as_f64().is_some_and(|v| v >= 0.99),
+            "mode {m} moved its bytes in fewer requests than it made: the drive did not see its \
+             I/O: {row}"
+        );
+        // Against the same drive in the same turns, no mode can be more than twice as fast as
+        // ram, nor (at 1 MiB, depth 8) slower than a fifth of it.
+        ensure!(
+            row["ratio_to_ram"]
+                .as_f64()
+                .is_some_and(|v| (0.2..=2.0).contains(&v)),
+            "mode {m}'s ratio to ram is not plausible for the same drive: {row}"
         );
     }
     // The baselines are the fair ones: RAM in transparent huge pages where the kernel has
@@ -177,12 +189,31 @@ fn bench_runs_every_mode() -> CaseResult {
         matches!(bounce["bounce_copy"].as_str(), Some("memcpy" | "streaming")),
         "bounce does not say which copy it made: {bounce}"
     );
+    // p2pmem runs where the GPU's driver published P2PDMA memory; elsewhere its row says
+    // which of the two facts is missing, and the facts are checked here.
     let p2pmem = mode("p2pmem")?;
-    ensure!(
-        p2pmem["mib_s"].as_f64().is_some()
-            || p2pmem["skipped"].as_str().is_some_and(|r| !r.is_empty()),
-        "p2pmem neither ran nor said why not: {p2pmem}"
-    );
+    let bdf = &fgds::Gpu::list()?
+        .first()
+        .context("fgds serves no GPU")?
+        .bdf
+        .clone();
+    let dir = std::path::PathBuf::from(format!("/sys/bus/pci/devices/{bdf}/p2pmem"));
+    let published = std::fs::read_to_string(dir.join("published")).is_ok_and(|p| p.trim() == "1");
+    let reason = p2pmem["not_offered"].as_str().unwrap_or("");
+    match (dir.join("allocate").exists(), published) {
+        (true, true) => ensure!(
+            p2pmem["mib_s"].as_f64().is_some_and(|v| v > 0.0),
+            "{bdf} publishes P2PDMA memory, yet p2pmem did not run: {p2pmem}"
+        ),
+        (false, _) => ensure!(
+            reason.contains("p2pmem/allocate does not exist"),
+            "{bdf} has no p2pmem/allocate, and the p2pmem row does not say so: {p2pmem}"
+        ),
+        (true, false) => ensure!(
+            reason.contains("not published"),
+            "{bdf}'s P2PDMA memory is not published, and the p2pmem row does not say so: {p2pmem}"
+        ),
+    }
     // A timed run with little in flight takes turns of 0.1 s: four per repetition here, each
     // mode's figures summed over its turns.
     let args = [
@@ -276,6 +307,30 @@ fn bench_runs_every_mode() -> CaseResult {
     ensure!(
         text.contains("x ram"),
         "the table has no ratio column:\n{text}"
+    );
+    // A mode asked for by name that cannot be set up fails the run, saying which and why:
+    // p2pmem where it is not offered (most configurations), else direct on a GPU that fgds
+    // does not serve.
+    let offered = dir.join("allocate").exists() && published;
+    let (mode, source) = if offered {
+        ("direct", ["--gpu", "0000:ff:1f.7"])
+    } else {
+        ("p2pmem", ["--vgpu", "0"])
+    };
+    let args = [
+        "bench", source[0], source[1], "--total", "1048576", "--repeat", "1", "--mode", "ram",
+        "--mode", mode, "--json",
+    ];
+    let out = Command::new("/bin/fgds")
+        .args(args)
+        .output()
+        .context("cannot run /bin/fgds")?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ktap::diag(format_args!("fgds {}: {}", args.join(" "), stderr.trim()));
+    ensure!(
+        !out.status.success() && stderr.contains(&format!("mode {mode} cannot be set up")),
+        "`fgds bench --mode {mode}` where it cannot run exited {} without naming the mode: {stderr}",
+        out.status
     );
     ktap::pass()
 }

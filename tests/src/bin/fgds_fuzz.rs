@@ -13,7 +13,12 @@
 //! for mm calls) documents for that state; a CPU access raises SIGBUS only on a revoked buffer
 //! (or one whose GPU went away); fgds's counters return to zero; GPU memory outside the
 //! fuzzer's window (guards filled with a pattern, never registered) is unchanged, as the host
-//! reads it; no operation is still running a minute after it should have stopped.
+//! reads it; every read that completed into the window brought the drive's bytes, as the host
+//! reads them right after (every read into GPU byte `b` of the window comes from the drive's
+//! byte `b - GUARD_LOW`, and CPU stores write the same bytes, so that nothing else may change
+//! them, and the window starts out holding other bytes); each operation ran at least a minimum
+//! number of times (a run that never exercised something passes nothing); no operation is
+//! still running a minute after it should have stopped.
 //!
 //! Parameters (kernel command line `fgds.fuzz_<name>=`, seen here as `FGDS_FUZZ_<NAME>`):
 //! `SECONDS` (default 60), `SEED` (default: from the clock; printed at start), `OPS` (stop
@@ -138,6 +143,8 @@ struct Shared {
     counts: [[AtomicU64; OUTCOMES]; 32],
     /// Thread time spent in each operation, µs.
     busy_us: [AtomicU64; 32],
+    /// Reads whose bytes the host checked, per operation.
+    verified: [AtomicU64; 32],
 }
 
 fn shared() -> anyhow::Result<&'static Shared> {
@@ -277,6 +284,41 @@ fn config() -> anyhow::Result<Config> {
 const GUARD_LOW: u64 = 4 * MIB;
 const WINDOW: u64 = 64 * MIB;
 const GUARD_SEED: u64 = 0x0047_5541_5244;
+/// What the window holds before any read: not the drive's bytes.
+const WINDOW_SEED: u64 = 0x0057_494e_444f;
+
+/// Where on the drive a read into GPU byte `bar` of the window comes from: the pattern at the
+/// same distance from its start as `bar` from the window's, so that every read into a byte
+/// brings the same value, whoever makes it.
+fn source_of(bar: u64) -> u64 {
+    bar.saturating_sub(GUARD_LOW)
+}
+
+/// Checks, through the host, that `len` bytes of GPU memory from `bar` hold the drive's bytes
+/// a read from [`source_of`] brought: `op` completed a read there. The window's bytes only
+/// ever become those (reads and CPU stores bring nothing else), so a mismatch is a read that
+/// went elsewhere, brought other bytes, or did not happen.
+fn verify_read(sh: &Shared, op: &str, bar: u64, len: usize) {
+    if bar < GUARD_LOW || bar + len as u64 > GUARD_LOW + WINDOW {
+        return sh.fail(
+            op,
+            format_args!("a read completed into BAR {bar:#x}+{len:#x}, outside the window"),
+        );
+    }
+    match ctl::gpu_check_at(bar, len as u64, pattern::NVME_SEED, source_of(bar)) {
+        Ok(()) => {
+            sh.verified[op_index(op)].fetch_add(1, SeqCst);
+        }
+        Err(err) => sh.fail(
+            op,
+            format_args!(
+                "a read of {len:#x} bytes into BAR {bar:#x} completed, yet the GPU does not \
+                 hold the drive's bytes from {:#x}: {err:#}",
+                source_of(bar)
+            ),
+        ),
+    }
+}
 /// The drive: reads come from the pattern, writes go to this scratch range.
 const WRITE_AREA: u64 = 128 * MIB;
 const WRITE_AREA_LEN: u64 = 64 * MIB;
@@ -317,6 +359,7 @@ fn set_guards() -> anyhow::Result<Guards> {
         "vgpu placed the guards at {low_off:#x} and {high_off:#x}, the window at \
          {window_off:#x}: it is not first fit on an empty BAR"
     );
+    vgpu_fill(GUARD_LOW, WINDOW, WINDOW_SEED)?;
     drop(window);
     let ranges = vec![(0, GUARD_LOW), (high_off, high_len)];
     for &(off, len) in &ranges {
@@ -429,6 +472,12 @@ fn fuzz() -> CaseResult {
     ensure!(hung.is_empty(), "{}", hung.join("\n"));
     let failures = sh.failures.load(SeqCst);
     ensure!(failures == 0, "{failures} failed outcome checks (above)");
+    let missing = too_rare(sh, &cfg, elapsed);
+    ensure!(
+        missing.is_empty(),
+        "the run did not exercise everything it checks: {}",
+        missing.join("; ")
+    );
     fault::wait_counters_zero("after the fuzzer stopped")?;
     check_guards(&ranges, "at the end")?;
     drop(guards);
@@ -645,6 +694,8 @@ struct Reg {
     buf: Arc<Buffer>,
     node: Arc<Node>,
     idx: u64,
+    /// Where in the buffer it starts.
+    off: u64,
     len: u64,
     /// Whether UNREG was called. Held shared across an mmap of the token, exclusively across
     /// UNREG: a token UNREG gave back may name another registration next (of this worker:
@@ -656,6 +707,8 @@ struct Reg {
 /// there, and the page ranges unmapped since.
 struct Mapped {
     buf: Arc<Buffer>,
+    /// The GPU's BAR offset of the mapping's first byte.
+    bar: u64,
     node_epoch: u64,
     len: usize,
     holes: Vec<(usize, usize)>,
@@ -1006,6 +1059,7 @@ fn op_reg(w: &Worker, rng: &mut Rng, again: bool) {
                 buf,
                 node,
                 idx,
+                off,
                 len,
                 gone: RwLock::new(false),
             }));
@@ -1211,6 +1265,7 @@ fn op_mmap(w: &Worker, rng: &mut Rng) {
     sh.count("mmap", OK);
     *state = Some(Mapped {
         buf: reg.buf.clone(),
+        bar: reg.buf.bar_off + reg.off,
         node_epoch: reg.node.epoch,
         len,
         holes: Vec::new(),
@@ -1380,11 +1435,18 @@ fn op_touch(w: &Worker, rng: &mut Rng) {
     let Some(mapped) = state.as_ref() else { return };
     let at = rng.below(mapped.len as u64) as usize & !7;
     let ptr = (region.addr + at) as *mut u64;
+    // A store writes what a read of that byte brings (`source_of`).
+    let mut value = [0u8; 8];
+    pattern::fill(
+        pattern::NVME_SEED,
+        source_of(mapped.bar + at as u64),
+        &mut value,
+    );
     // SAFETY: an access to our own region (a mapping, a hole or the reservation); a fault is
     // stepped over by on_fault and reported here.
     let sig = unsafe {
         if rng.chance(500) {
-            fgds_fuzz_store(ptr, 0x6675_7a7a)
+            fgds_fuzz_store(ptr, u64::from_ne_bytes(value))
         } else {
             fgds_fuzz_load(ptr)
         }
@@ -1590,18 +1652,22 @@ fn op_io(w: &Worker, rng: &mut Rng, write: bool) {
         None => (0, PAGE as usize),
     };
     let ptr = (region.addr + from) as *mut libc::c_void;
+    let bar = state.as_ref().map(|m| m.bar + from as u64);
     // SAFETY: I/O into or from our region; a revoked, unmapped or reserved range faults.
     let n = unsafe {
         if write {
             let off = WRITE_AREA + rng.below((WRITE_AREA_LEN - MIB) / PAGE) * PAGE;
             libc::pwrite(w.nvme_write.as_raw_fd(), ptr, len, off as libc::off_t)
         } else {
-            let off = rng.below((pattern::NVME_PATTERN_BYTES - MIB) / PAGE) * PAGE;
+            let off = bar.map_or(0, source_of);
             libc::pread(w.nvme_read.as_raw_fd(), ptr, len, off as libc::off_t)
         }
     };
     let fault_ok = may_fault(sh, state.as_ref(), from, len);
     judge_transfer(sh, op, n as i64, len, fault_ok);
+    if let (false, Some(bar), true) = (write, bar, n == len as isize) {
+        verify_read(sh, op, bar, len);
+    }
 }
 
 fn judge_transfer(sh: &Shared, op: &str, n: i64, len: usize, fault_ok: bool) {
@@ -1645,8 +1711,7 @@ fn op_fgds_io(w: &Worker, rng: &mut Rng, by_command: bool) {
                 let off = WRITE_AREA + rng.below((WRITE_AREA_LEN - MIB) / PAGE) * PAGE;
                 (&w.nvme_write, off)
             } else {
-                let off = rng.below((pattern::NVME_PATTERN_BYTES - MIB) / PAGE) * PAGE;
-                (&w.nvme_read, off)
+                (&w.nvme_read, source_of(reg.buf.bar_off + reg.off + from))
             };
             let arg = fgds::uapi::Io {
                 idx: reg.idx,
@@ -1678,7 +1743,7 @@ fn op_fgds_io(w: &Worker, rng: &mut Rng, by_command: bool) {
         let n = unsafe { libc::ioctl(reg.node.file.as_raw_fd(), request as _, arg) };
         vec![if n < 0 { -last_errno() } else { n }]
     };
-    for ((_, arg), res) in calls.iter().zip(results) {
+    for ((write, arg), res) in calls.iter().zip(results) {
         let past_end = arg.offset + arg.len > reg.len;
         let mut allowed = Vec::new();
         if past_end {
@@ -1691,7 +1756,17 @@ fn op_fgds_io(w: &Worker, rng: &mut Rng, by_command: bool) {
             allowed = vec![Errno::OPNOTSUPP];
         }
         let got = match res {
-            n if n == arg.len as i32 && !past_end => Ok(()),
+            n if n == arg.len as i32 && !past_end => {
+                if !*write {
+                    verify_read(
+                        sh,
+                        op,
+                        reg.buf.bar_off + reg.off + arg.offset,
+                        arg.len as usize,
+                    );
+                }
+                Ok(())
+            }
             n if n >= 0 => {
                 sh.count(op, SHORT);
                 sh.fail(
@@ -1941,7 +2016,7 @@ fn uring_reads(
     let mut reqs = Vec::new();
     for i in 0..n {
         let (from, len) = range_in(mapped, rng, 64 * 1024);
-        let off = rng.below((pattern::NVME_PATTERN_BYTES - MIB) / PAGE) * PAGE;
+        let off = source_of(mapped.bar + from as u64);
         let sqe = io_uring::opcode::Read::new(
             io_uring::types::Fd(w.nvme_read.as_raw_fd()),
             (region.addr + from) as *mut u8,
@@ -1970,6 +2045,9 @@ fn uring_reads(
         let (from, len) = reqs[cqe.user_data() as usize];
         let fault_ok = may_fault(sh, Some(mapped), from, len);
         judge_transfer(sh, "uring_read", cqe.result() as i64, len, fault_ok);
+        if cqe.result() == len as i32 {
+            verify_read(sh, "uring_read", mapped.bar + from as u64, len);
+        }
     }
     true
 }
@@ -2108,6 +2186,10 @@ fn summary(sh: &Shared, cfg: &Config, elapsed: Duration) -> serde_json::Value {
         if busy > 0 {
             outcomes.insert("busy_s".to_owned(), (busy as f64 * 1e-6).into());
         }
+        let verified = sh.verified[i].load(SeqCst);
+        if verified > 0 {
+            outcomes.insert("verified".to_owned(), verified.into());
+        }
         if !outcomes.is_empty() {
             per_op.insert((*name).to_owned(), outcomes.into());
         }
@@ -2124,6 +2206,48 @@ fn summary(sh: &Shared, cfg: &Config, elapsed: Duration) -> serde_json::Value {
     })
 }
 
+/// Reads whose bytes a run of a minute or more must have checked, per reading operation.
+const MIN_VERIFIED: u64 = 10;
+
+/// What a run bound by time (no `OPS` limit) of a minute or more did too rarely: an operation
+/// never drawn, a kind of read never checked [`MIN_VERIFIED`] times, a chaos event that never
+/// came although the run was long enough for several.
+fn too_rare(sh: &Shared, cfg: &Config, elapsed: Duration) -> Vec<String> {
+    if cfg.ops > 0 || elapsed < Duration::from_secs(60) {
+        return Vec::new();
+    }
+    let count = |op: &str| -> u64 { sh.counts[op_index(op)].iter().map(|c| c.load(SeqCst)).sum() };
+    let mut missing = Vec::new();
+    for (op, _, _) in WEIGHTS {
+        if count(op) == 0 {
+            missing.push(format!("{op} never ran"));
+        }
+    }
+    for op in ["pread", "uring_read", "fgds_io", "fgds_io_cmd"] {
+        let unsupported = sh.counts[op_index(op)][errno_outcome(Errno::OPNOTSUPP)].load(SeqCst);
+        if op == "fgds_io_cmd" && unsupported == count(op) {
+            continue;
+        }
+        let verified = sh.verified[op_index(op)].load(SeqCst);
+        if verified < MIN_VERIFIED {
+            missing.push(format!(
+                "{op}: {verified} reads checked by the host, want {MIN_VERIFIED}"
+            ));
+        }
+    }
+    if cfg.chaos > 0 && cfg.seconds >= 4 * cfg.chaos {
+        for op in ["unbind_rebind", "unplug_replug", "kill_worker"] {
+            if count(op) == 0 {
+                missing.push(format!(
+                    "{op} never happened in {} s with an event every ~{} s",
+                    cfg.seconds, cfg.chaos
+                ));
+            }
+        }
+    }
+    missing
+}
+
 fn print_table(sh: &Shared, elapsed: Duration) {
     let ops = sh.ops.load(SeqCst);
     ktap::diag(format_args!(
@@ -2133,12 +2257,16 @@ fn print_table(sh: &Shared, elapsed: Duration) {
         sh.failures.load(SeqCst)
     ));
     for (i, name) in OPS.iter().enumerate() {
-        let cells: Vec<String> = sh.counts[i]
+        let mut cells: Vec<String> = sh.counts[i]
             .iter()
             .enumerate()
             .filter(|(_, c)| c.load(SeqCst) > 0)
             .map(|(o, c)| format!("{} {}", outcome_name(o), c.load(SeqCst)))
             .collect();
+        let verified = sh.verified[i].load(SeqCst);
+        if verified > 0 {
+            cells.push(format!("bytes checked {verified}"));
+        }
         if !cells.is_empty() {
             ktap::diag(format_args!("{name:<20} {}", cells.join(", ")));
         }

@@ -583,8 +583,8 @@ fn bad_calls_fail_with_their_errno() -> CaseResult {
     ktap::pass()
 }
 
-/// The crate's `Transfer` (the CLI's and Python's path) takes fgds's commands where the kernel
-/// has no io_uring slots for it (and its slot where it has), and the data arrives both ways.
+/// The crate's `Transfer` (the CLI's and Python's path) takes fgds's commands, and the data
+/// arrives both ways; so do the buffer's synchronous `read_from` and `write_to`.
 fn crate_transfer_takes_the_commands() -> CaseResult {
     fault::require_idle()?;
     const LEN: u64 = 4 * MIB;
@@ -629,9 +629,25 @@ fn crate_transfer_takes_the_commands() -> CaseResult {
     if let Some(at) = pattern::first_mismatch(SEED_READ, 0, back.as_slice()) {
         bail!("the drive's byte {at:#x} differs after the crate's write");
     }
-    // The synchronous calls of the crate's buffer, too.
-    let n = buffer.read_from(&file, SCRATCH, 0..LEN as usize)?;
-    ensure!(n == LEN as usize, "Buffer::read_from moved {n} bytes");
+    // The synchronous calls of the crate's buffer, too, on data neither side held before: the
+    // GPU's half a sentinel, the drive's another pattern; half the buffer each way, at an
+    // offset, so that a call that moves the wrong range or nothing shows.
+    let half = LEN as usize / 2;
+    fault::write_nvme_pattern(SEED_FILE, half, SCRATCH)?;
+    fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    let n = buffer.read_from(&file, SCRATCH, half..LEN as usize)?;
+    ensure!(n == half, "Buffer::read_from moved {n} of {half} bytes");
+    ctl::gpu_check_at(bar_off + half as u64, half as u64, SEED_FILE, 0)
+        .context("GPU memory after Buffer::read_from")?;
+    ctl::gpu_check(bar_off, half as u64, SEED_SENTINEL)
+        .context("GPU memory before the range Buffer::read_from was given")?;
+    let n = buffer.write_to(&file, SCRATCH + LEN, half..LEN as usize)?;
+    ensure!(n == half, "Buffer::write_to moved {n} of {half} bytes");
+    let mut back = AlignedBuf::new(half)?;
+    file.read_exact_at(back.as_mut_slice(), SCRATCH + LEN)?;
+    if let Some(at) = pattern::first_mismatch(SEED_FILE, 0, back.as_slice()) {
+        bail!("the drive's byte {at:#x} differs after Buffer::write_to");
+    }
     drop((transfer, buffer, gpu, dmabuf));
     fault::wait_counters_zero("after the case")?;
     ktap::pass()

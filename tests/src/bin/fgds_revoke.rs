@@ -849,23 +849,31 @@ fn bar_resized_at_probe_is_read_again() -> CaseResult {
 /// registration found its pages quiet and gave up the reservation lock before it gave back its
 /// page references; an invalidation in that window saw the pages busy (the other
 /// registration's reads), put the registration on the pending list, and its cleanup ran after
-/// the free (KASAN: slab-use-after-free in fgds_fence_retire_locked). Rounds until the time is
-/// up, the UNREG a little later against the revocation each round; the verdict is the
-/// kernel's (a splat fails the program) and the counters at the end. A race: a run that misses
-/// the window passes on a broken driver too.
+/// the free (KASAN: slab-use-after-free in fgds_fence_retire_locked). Rounds, the UNREG a
+/// little later against the revocation each round, until both orders happened (the UNREG done
+/// before the revocation began, and begun after it ended) and some rounds overlapped, within a
+/// bound; the verdict is the kernel's (a splat fails the program) and the counters at the end.
 fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
     use std::sync::Arc;
     use std::sync::atomic::AtomicBool;
     const LEN: u64 = 256 * 1024;
-    const ROUNDS: u32 = 300;
-    const BUDGET: Duration = Duration::from_secs(20);
+    const MIN_ROUNDS: u32 = 120;
+    const ROUNDS: u32 = 600;
+    const BUDGET: Duration = Duration::from_secs(40);
     fault::require_idle()?;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let started = Instant::now();
     let mut rounds = 0;
     let mut reads = 0;
-    while rounds < ROUNDS && started.elapsed() < BUDGET {
+    // Rounds where the UNREG ended before the revocation began, began after it ended, or
+    // neither (the two overlapped: the window the bug needed).
+    let (mut before, mut after, mut overlapped) = (0u32, 0u32, 0u32);
+    let seen_both = |b: u32, a: u32, o: u32| b > 0 && a > 0 && o > 0;
+    while rounds < ROUNDS
+        && started.elapsed() < BUDGET
+        && (rounds < MIN_ROUNDS || !seen_both(before, after, overlapped))
+    {
         rounds += 1;
         let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
         let busy = common::reg(&node, dmabuf.as_fd(), 0, LEN).context("REG of the busy one")?;
@@ -893,14 +901,27 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
             })
             .collect();
         std::thread::sleep(Duration::from_millis(5));
-        let revoker = revoke_in_thread(bar_off);
-        // Sweep the UNREG across the revocation's start, a little later each round.
+        let revoker = std::thread::spawn(move || {
+            let began = Instant::now();
+            common::revoke(bar_off).map(|()| (began, Instant::now()))
+        });
+        // Sweep the UNREG across the revocation, a little later each round: 50 us steps up to
+        // 4 ms, past a revocation that waits for a read in flight.
         let spin = Instant::now();
-        while spin.elapsed() < Duration::from_micros(u64::from(rounds % 40) * 50) {
+        while spin.elapsed() < Duration::from_micros(u64::from(rounds % 80) * 50) {
             std::hint::spin_loop();
         }
+        let unreg_began = Instant::now();
         let unreg = common::unreg(&node, other);
-        fault::join(revoker, "revoked")?.context("revoke")?;
+        let unreg_ended = Instant::now();
+        let (revoke_began, revoke_ended) = fault::join(revoker, "revoked")?.context("revoke")?;
+        if unreg_ended < revoke_began {
+            before += 1;
+        } else if unreg_began > revoke_ended {
+            after += 1;
+        } else {
+            overlapped += 1;
+        }
         stop.store(true, Ordering::Relaxed);
         for r in readers {
             reads += fault::join(r, "read")??;
@@ -910,8 +931,16 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
         drop(map);
     }
     ktap::diag(format_args!(
-        "{rounds} rounds, {reads} reads through the busy registration"
+        "{rounds} rounds, {reads} reads through the busy registration; the UNREG ended before \
+         the revocation began in {before}, began after it ended in {after}, overlapped it in \
+         {overlapped}"
     ));
+    // A race proves something only if it went both ways, and through the window between.
+    ensure!(
+        seen_both(before, after, overlapped),
+        "in {rounds} rounds the UNREG never came on both sides of the revocation and across it \
+         ({before} before, {after} after, {overlapped} overlapping)"
+    );
     drop(node);
     fault::wait_counters_zero("after the races")?;
     fault::wait_vgpu_buffers_gone("after the races: fgds let every buffer go")?;

@@ -34,6 +34,7 @@ use io_uring::squeue::Entry128;
 use io_uring::{IoUring, opcode, types};
 
 use crate::Source;
+use crate::drive;
 
 #[derive(clap::Args)]
 pub struct Options {
@@ -108,8 +109,16 @@ enum FixedBuffers {
 }
 
 const MODES: &[&str] = &["ram", "direct", "bounce", "p2pmem"];
-/// Modes run only when named: variants of a baseline, for experiments.
-const EXTRA_MODES: &[&str] = &["bounce-serial"];
+/// Modes run only when named: variants of a baseline, for experiments and controls.
+/// `ram-again` is `ram` a second time, in its own memory: its ratio to `ram` is what the rig's
+/// noise alone makes of two identical modes at that point. `ram-split` is `ram` with the drive's
+/// requests capped at [`SPLIT_KB`] (`max_sectors_kb`; QEMU's NVMe with its default `mdts` 7
+/// takes no more), so that an I/O larger than that is split into several requests, and a
+/// `REQ_NOWAIT` one handed from io_uring to an io-wq worker first (the rig's old baseline).
+const EXTRA_MODES: &[&str] = &["bounce-serial", "ram-again", "ram-split"];
+
+/// The request size `ram-split` caps the drive at, in KiB.
+const SPLIT_KB: u64 = 512;
 
 /// One repetition's figures, summed over its turns.
 #[derive(Default)]
@@ -128,6 +137,8 @@ struct Sample {
     /// and those that are not vCPUs (device emulation, the drive's I/O, DMA).
     turn_host_cpu_s_per_gib: Vec<f64>,
     turn_host_io_s_per_gib: Vec<f64>,
+    /// Requests the drive completed in the mode's turns (the block device's `stat`).
+    requests: u64,
 }
 
 impl Sample {
@@ -155,8 +166,18 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         "write" => true,
         other => bail!("--op {other}: use read or write"),
     };
+    // `all`: every mode this machine offers. `p2pmem` is offered only where the GPU's driver
+    // published P2PDMA memory; where it did not, the JSON says why in a row of its own
+    // (`not_offered`), which is not a result. A mode asked for that cannot be set up fails
+    // the run.
+    let mut not_offered = Vec::new();
     let modes = if opts.modes.iter().any(|m| m == "all") {
-        MODES.iter().map(|m| (*m).to_owned()).collect()
+        let mut modes = vec!["ram".to_owned(), "direct".to_owned(), "bounce".to_owned()];
+        match p2pmem_offered(opts) {
+            Ok(_) => modes.push("p2pmem".to_owned()),
+            Err(reason) => not_offered.push(("p2pmem", format!("{reason:#}"))),
+        }
+        modes
     } else {
         opts.modes.clone()
     };
@@ -173,6 +194,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         bail!("block size, queue depth, threads and repeat must be non-zero");
     }
     let file = fgds::open_direct(&file_path, write)?;
+    let drive = drive::Drive::of(&file_path)?;
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
         .unwrap_or_default()
         .trim()
@@ -181,18 +203,18 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     // Every mode is set up first, then the repetitions take turns (ram, direct, bounce, ram,
     // ...), so that a burst of load on the host hits every mode alike instead of whichever
     // mode happened to run then: the ratios to ram are what the bench is for.
-    let mut rows = Vec::new();
+    let mut rows = not_offered
+        .into_iter()
+        .map(|(mode, reason)| {
+            eprintln!("bench: {mode}: not offered here: {reason}");
+            serde_json::json!({"kernel": kernel, "mode": mode, "op": opts.op, "not_offered": reason})
+        })
+        .collect::<Vec<_>>();
     let mut runs = Vec::new();
     for mode in &modes {
         let region = region_len(opts, slot_count(opts, mode == "bounce"));
-        let target = match make_target(mode, opts, region * opts.threads, write) {
-            Ok(target) => target,
-            Err(reason) => {
-                eprintln!("bench: {mode}: skipped: {reason:#}");
-                rows.push(serde_json::json!({"kernel": kernel, "mode": mode, "op": opts.op, "skipped": format!("{reason:#}")}));
-                continue;
-            }
-        };
+        let target = make_target(mode, opts, region * opts.threads, write)
+            .with_context(|| format!("mode {mode} cannot be set up, so it cannot be measured"))?;
         let (rings, fixed) = match make_rings(&target, opts, region) {
             Ok(made) => made,
             Err(err) => bail!("{mode}: {err:#}"),
@@ -207,6 +229,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             Ok(Fixed::Pinned) => {}
         }
         runs.push(ModeRun {
+            max_sectors_kb: (mode == "ram-split").then_some(SPLIT_KB),
             mode: mode.clone(),
             target,
             region,
@@ -220,17 +243,19 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     // A clock that cannot be read fails the run here, before any I/O.
     cpu_clock(clock)?;
     let turns = turns(opts);
-    // The first two modes (ram and direct) trade places every other round, so that each follows
-    // the last (bounce, whose turn leaves the next one cheaper and slower) as often as the other
-    // does; a pair of turns is compared over two rounds (`paired_ratio`).
+    // The modes compared with each other (the first two, and `ram-again` where it follows
+    // them) rotate through the first places round by round, so that each follows the last mode
+    // (bounce, whose turn leaves the next one cheaper and slower) as often as the others do;
+    // turns are compared over as many rounds as they rotate through (`paired_ratio`).
+    let rotation = rotation(&modes).min(runs.len()).max(1);
     let mut round = 0usize;
     for (what, count) in [("warm-up", opts.warmup), ("repetition", opts.repeat)] {
         for rep in 0..count {
             let mut samples = runs.iter().map(|_| Sample::default()).collect::<Vec<_>>();
             for _ in 0..turns {
                 let mut order = (0..runs.len()).collect::<Vec<_>>();
-                if round % 2 == 1 && order.len() > 2 {
-                    order.swap(0, 1);
+                if order.len() > rotation {
+                    order[..rotation].rotate_left(round % rotation);
                 }
                 round += 1;
                 for i in order {
@@ -244,7 +269,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
                         opts.threads,
                         rep + 1,
                     );
-                    run_turn(run, turns, &file, opts, write, clock, sample)?;
+                    run_turn(run, turns, &file, &drive, opts, write, clock, sample)?;
                 }
             }
             if what == "repetition" {
@@ -256,6 +281,13 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         }
     }
     eprintln!();
+    // How the host backs the GPU's memory and the guest's RAM, once the turns have touched them.
+    let host_backing = opts
+        .host_cpu_port
+        .as_deref()
+        .map(host_backing)
+        .transpose()?;
+    let limits = drive.limits();
     let mut ram_turns = None;
     for run in runs {
         release_rings(&run.rings);
@@ -264,6 +296,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             mode,
             samples,
             fixed,
+            max_sectors_kb: run_max_sectors_kb,
             ..
         } = run;
         // The repetition of median throughput gives the rate and the latencies; CPU per GiB
@@ -298,6 +331,11 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
                 .collect::<Vec<_>>()
         };
         let rep_cpu_s_per_gib = samples.iter().map(cpu_per_gib).collect::<Vec<_>>();
+        let ios = samples
+            .iter()
+            .map(|s| s.latencies.len() as u64)
+            .sum::<u64>();
+        let requests = samples.iter().map(|s| s.requests).sum::<u64>();
         let mut cpus = rep_cpu_s_per_gib.clone();
         cpus.sort_by(f64::total_cmp);
         if mode == "ram" {
@@ -329,7 +367,12 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "cpu_clock": clock.name(),
             "turn_host_cpu_s_per_gib": turn_host(|s| &s.turn_host_cpu_s_per_gib),
             "turn_host_io_s_per_gib": turn_host(|s| &s.turn_host_io_s_per_gib),
-            "ratio_to_ram": ram_turns.as_deref().and_then(|r| paired_ratio(&turn_mib_s, r)),
+            "ratio_to_ram": ram_turns.as_deref().and_then(|r| paired_ratio(&turn_mib_s, r, rotation)),
+            "rotation": rotation,
+            "requests_per_io": requests as f64 / ios.max(1) as f64,
+            "drive": limits,
+            "drive_max_sectors_kb_in_turns": run_max_sectors_kb,
+            "host_backing": host_backing,
             "fixed_buffers": fixed.is_ok(),
             "fixed_buffer_kind": fixed.as_ref().ok().map(|kind| match kind {
                 Fixed::Pinned => "pinned",
@@ -351,9 +394,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         "mode", "MiB/s", "spread", "CPU s/GiB", "p50 us", "p99 us", "x ram"
     );
     for row in &rows {
-        if let Some(reason) = row["skipped"].as_str() {
+        if let Some(reason) = row["not_offered"].as_str() {
             println!(
-                "{:<8} skipped: {reason}",
+                "{:<8} not offered here: {reason}",
                 row["mode"].as_str().unwrap_or("")
             );
             continue;
@@ -380,6 +423,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
 /// One mode of a run: its memory, its rings and the repetitions measured so far.
 struct ModeRun {
     mode: String,
+    /// The drive's `max_sectors_kb` for this mode's turns (`ram-split`), restored after each.
+    max_sectors_kb: Option<u64>,
     target: Target,
     /// Bytes of the target each thread's requests cycle through.
     region: usize,
@@ -537,7 +582,7 @@ fn ram(len: usize) -> anyhow::Result<Anon> {
 
 fn make_target(mode: &str, opts: &Options, len: usize, write: bool) -> anyhow::Result<Target> {
     match mode {
-        "ram" => Ok(Target::Ram(ram(len)?)),
+        "ram" | "ram-again" | "ram-split" => Ok(Target::Ram(ram(len)?)),
         "direct" => {
             // Whole 2 MiB, as `ram` gets: GPU memory comes in large allocations, and fgds maps
             // a buffer's aligned 2 MiB with PMDs, a smaller one 4 KiB at a time.
@@ -582,7 +627,8 @@ fn make_target(mode: &str, opts: &Options, len: usize, write: bool) -> anyhow::R
     }
 }
 
-fn p2pmem(opts: &Options, len: usize) -> anyhow::Result<Anon> {
+/// The GPU's `p2pmem/allocate`, where its driver published P2PDMA memory, else why not.
+fn p2pmem_offered(opts: &Options) -> anyhow::Result<PathBuf> {
     let bdf = match &opts.source.gpu {
         Some(bdf) => bdf.clone(),
         None => Gpu::list()?
@@ -601,10 +647,16 @@ fn p2pmem(opts: &Options, len: usize) -> anyhow::Result<Anon> {
     if published.trim() != "1" {
         bail!("{bdf}'s P2PDMA memory is not published, so p2pmem/allocate cannot hand it out");
     }
+    Ok(dir.join("allocate"))
+}
+
+fn p2pmem(opts: &Options, len: usize) -> anyhow::Result<Anon> {
+    let allocate = p2pmem_offered(opts)?;
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
-        .open(dir.join("allocate"))?;
+        .open(&allocate)
+        .with_context(|| format!("cannot open {}", allocate.display()))?;
     // SAFETY: a new shared mapping at a kernel-chosen address aliases nothing; it is only used
     // as an I/O address.
     let ptr = unsafe {
@@ -808,6 +860,28 @@ fn host_cpu(port: &Path) -> anyhow::Result<(u64, u64)> {
     })
 }
 
+/// How the host backs the GPU's memory and the guest's RAM, from the port of --host-cpu-port:
+/// one request line `qemu_backing`, one reply line `ok <json>` (qemu/src/control.rs).
+fn host_backing(port: &Path) -> anyhow::Result<serde_json::Value> {
+    use std::io::{BufRead, Write};
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(port)
+        .with_context(|| format!("cannot open --host-cpu-port {}", port.display()))?;
+    file.write_all(b"qemu_backing\n")?;
+    let mut reply = String::new();
+    std::io::BufReader::new(file).read_line(&mut reply)?;
+    let json = reply.trim().strip_prefix("ok ").with_context(|| {
+        format!(
+            "--host-cpu-port {}: `qemu_backing` got {:?}, want `ok <json>`",
+            port.display(),
+            reply.trim()
+        )
+    })?;
+    serde_json::from_str(json).context("the reply to `qemu_backing` is not JSON")
+}
+
 /// A thread's io_uring: 128-byte entries for every mode (see [`make_rings`]).
 type Ring = IoUring<Entry128>;
 
@@ -899,10 +973,38 @@ fn release_rings(rings: &[Ring]) {
 }
 
 /// One turn of a mode: its share of a repetition's time (or bytes), added to `sample`.
+#[allow(clippy::too_many_arguments)]
 fn run_turn(
     run: &mut ModeRun,
     turns: usize,
     file: &File,
+    drive: &drive::Drive,
+    opts: &Options,
+    write: bool,
+    clock: CpuSource,
+    sample: &mut Sample,
+) -> anyhow::Result<()> {
+    let restore = match run.max_sectors_kb {
+        Some(kib) => {
+            let was = drive.limit("max_sectors_kb")?;
+            drive.set_max_sectors_kb(kib)?;
+            Some(was)
+        }
+        None => None,
+    };
+    let res = run_turn_io(run, turns, file, drive, opts, write, clock, sample);
+    if let Some(was) = restore {
+        drive.set_max_sectors_kb(was)?;
+    }
+    res
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_turn_io(
+    run: &mut ModeRun,
+    turns: usize,
+    file: &File,
+    drive: &drive::Drive,
     opts: &Options,
     write: bool,
     clock: CpuSource,
@@ -913,6 +1015,7 @@ fn run_turn(
     let fixed = run.fixed.as_ref().ok().copied();
     let target = &run.target;
     let host_from = opts.host_cpu_port.as_deref().map(host_cpu).transpose()?;
+    let requests_from = drive.completed()?;
     let from = cpu_clock(clock)?;
     let started = Instant::now();
     let deadline = opts
@@ -950,6 +1053,12 @@ fn run_turn(
     sample.secs += secs;
     let busy = busy_secs(clock, &from, &cpu_clock(clock)?);
     sample.cpu_secs += busy;
+    let requests_to = drive.completed()?;
+    sample.requests += if write {
+        requests_to.writes - requests_from.writes
+    } else {
+        requests_to.reads - requests_from.reads
+    };
     let mib = (latencies.len() * opts.block_size) as f64 / (1 << 20) as f64;
     sample.turn_mib_s.push(mib / secs);
     let gib = (latencies.len() * opts.block_size).max(1) as f64 / (1u64 << 30) as f64;
@@ -971,14 +1080,24 @@ fn run_turn(
     Ok(())
 }
 
-/// How fast mode `a` ran against mode `b`: the median, over pairs of consecutive turns, of the
-/// ratio of their mean rates in those turns (each mode's turns ran back to back with the other's,
-/// so a burst of load on the host slows both; over two rounds each of the first two modes has
-/// followed the last mode once); `a` and `b` list the MiB/s of the same turns.
-fn paired_ratio(a: &[f64], b: &[f64]) -> Option<f64> {
+/// How many of the first modes rotate through the first places (at least two: the first two
+/// trade places every other round; three where `ram-again` is third).
+fn rotation(modes: &[String]) -> usize {
+    if modes.get(2).is_some_and(|m| m == "ram-again") {
+        3
+    } else {
+        2
+    }
+}
+
+/// How fast mode `a` ran against mode `b`: the median, over groups of `rounds` consecutive
+/// turns, of the ratio of their mean rates in those turns (each mode's turns ran back to back
+/// with the other's, so a burst of load on the host slows both; over `rounds` rounds each
+/// rotating mode has followed the last mode once); `a` and `b` list the MiB/s of the same turns.
+fn paired_ratio(a: &[f64], b: &[f64], rounds: usize) -> Option<f64> {
     let mut ratios = a
-        .chunks(2)
-        .zip(b.chunks(2))
+        .chunks(rounds)
+        .zip(b.chunks(rounds))
         .map(|(a, b)| (a.iter().sum::<f64>(), b.iter().sum::<f64>()))
         .filter(|&(_, b)| b > 0.0)
         .map(|(a, b)| a / b)

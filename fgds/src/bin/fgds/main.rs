@@ -2,6 +2,7 @@
 //! direct path against the alternatives.
 
 mod bench;
+mod drive;
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;

@@ -1,0 +1,104 @@
+//! The block device behind the benchmark's file, as the guest's sysfs shows it: the queue
+//! limits that decide whether a request reaches the drive whole or split, and the count of
+//! requests the drive completed, so that each mode's row says how many requests one I/O took.
+
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+
+/// The disk (not a partition) under `file`: a block device, or the device of the file system
+/// that holds a regular file.
+pub struct Drive {
+    /// `/sys/dev/block/<major>:<minor>`: a partition's directory or the disk's.
+    dev: PathBuf,
+    /// The disk's `queue/` directory.
+    queue: PathBuf,
+}
+
+/// Requests completed so far, reads and writes (`stat`, fields 1 and 5).
+#[derive(Clone, Copy, Default)]
+pub struct Completed {
+    pub reads: u64,
+    pub writes: u64,
+}
+
+impl Drive {
+    pub fn of(file: &Path) -> anyhow::Result<Drive> {
+        let meta =
+            std::fs::metadata(file).with_context(|| format!("cannot stat {}", file.display()))?;
+        let dev = if meta.file_type().is_block_device() {
+            meta.rdev()
+        } else {
+            meta.dev()
+        };
+        let dev = PathBuf::from(format!(
+            "/sys/dev/block/{}:{}",
+            libc::major(dev),
+            libc::minor(dev)
+        ));
+        let dev = dev.canonicalize().with_context(|| {
+            format!(
+                "cannot resolve {} (the block device of {})",
+                dev.display(),
+                file.display()
+            )
+        })?;
+        // A partition's directory has `partition` and sits in its disk's.
+        let disk = if dev.join("partition").exists() {
+            dev.parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_else(|| dev.clone())
+        } else {
+            dev.clone()
+        };
+        Ok(Drive {
+            queue: disk.join("queue"),
+            dev,
+        })
+    }
+
+    /// A limit of the queue (`max_sectors_kb`, `nomerges`, ...).
+    pub fn limit(&self, name: &str) -> anyhow::Result<u64> {
+        let path = self.queue.join(name);
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        text.trim()
+            .parse()
+            .with_context(|| format!("{}: {text:?} is not a number", path.display()))
+    }
+
+    /// Sets the largest request the block layer builds, in KiB (at most `max_hw_sectors_kb`).
+    pub fn set_max_sectors_kb(&self, kib: u64) -> anyhow::Result<()> {
+        let path = self.queue.join("max_sectors_kb");
+        std::fs::write(&path, kib.to_string())
+            .with_context(|| format!("cannot write {kib} to {} (run as root)", path.display()))
+    }
+
+    /// The limits that decide how a request is split, for the JSON.
+    pub fn limits(&self) -> serde_json::Value {
+        let get = |name: &str| self.limit(name).ok();
+        serde_json::json!({
+            "max_sectors_kb": get("max_sectors_kb"),
+            "max_hw_sectors_kb": get("max_hw_sectors_kb"),
+            "max_segments": get("max_segments"),
+            "nomerges": get("nomerges"),
+        })
+    }
+
+    pub fn completed(&self) -> anyhow::Result<Completed> {
+        let path = self.dev.join("stat");
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let field = |i: usize| {
+            text.split_whitespace()
+                .nth(i)
+                .and_then(|v| v.parse::<u64>().ok())
+                .with_context(|| format!("{}: no field {i} in {text:?}", path.display()))
+        };
+        Ok(Completed {
+            reads: field(0)?,
+            writes: field(4)?,
+        })
+    }
+}
