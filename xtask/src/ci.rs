@@ -8,19 +8,83 @@ use fgds_vm_images::kernel;
 use crate::report::{self, Outcome, Verdict};
 use crate::{driver, host, package, selftest, vm};
 
-/// The runs CI makes, kernel and fgds's `pages=`: the LTS users run (GENERIC pages, its kernel
-/// having no CONFIG_PCI_P2PDMA), the newest with the default (P2PDMA pages) and with GENERIC
-/// pages insisted on (2 MiB mappings; both with DMABUF_DEBUG on), and the LTS built with KASAN,
-/// lockdep, kmemleak and fault injection (P2PDMA pages; built once from linux-source, about 12
-/// minutes on 2 cores, then cached).
-/// The last run has vfio-pci export the GPU's memory (under the rig's translating vIOMMU,
-/// which vfio needs): an exporter nobody here wrote.
-pub const CI_RUNS: [(&str, &str, &str); 5] = [
-    ("debian:6.12", "auto", "vgpu"),
-    ("debian:7.3", "auto", "vgpu"),
-    ("debian:7.3", "generic", "vgpu"),
-    ("build:6.12+debug", "auto", "vgpu"),
-    ("debian:7.3", "auto", "vfio"),
+/// One configuration CI boots, and the programs that only it proves something with.
+pub struct CiRun {
+    pub kernel: &'static str,
+    /// fgds's `pages=`.
+    pub pages: &'static str,
+    pub exporter: &'static str,
+    /// The rig's translating vIOMMU (vfio needs it).
+    pub iommu: bool,
+    /// The suite's programs to run; empty: all of them.
+    pub only: &'static [&'static str],
+    /// Why this configuration is in CI.
+    pub proves: &'static str,
+}
+
+/// The runs CI makes. Each configuration runs what only it proves: the whole suite where the
+/// code paths differ throughout (the LTS with GENERIC pages, the newest with P2PDMA pages, the
+/// LTS under KASAN, lockdep and fault injection), the programs that touch the pages and the
+/// data where only the page kind differs, and single programs where a configuration proves
+/// one thing.
+pub const CI_RUNS: [CiRun; 6] = [
+    CiRun {
+        kernel: "debian:6.12",
+        pages: "auto",
+        exporter: "vgpu",
+        iommu: false,
+        only: &[],
+        proves: "the LTS users run: GENERIC pages (no CONFIG_PCI_P2PDMA), everything",
+    },
+    CiRun {
+        kernel: "debian:7.3",
+        pages: "auto",
+        exporter: "vgpu",
+        iommu: false,
+        only: &[],
+        proves: "the newest kernel: P2PDMA pages, DMABUF_DEBUG, everything",
+    },
+    CiRun {
+        kernel: "debian:7.3",
+        pages: "generic",
+        exporter: "vgpu",
+        iommu: false,
+        only: &[
+            "fgds_data",
+            "fgds_lifetime",
+            "fgds_revoke",
+            "fgds_io",
+            "fgds_gate",
+            "fgds_fault_gpu_unplug",
+        ],
+        proves: "GENERIC pages (2 MiB mappings) on the newest kernel's mm and block layer: the \
+                 programs that map, move, revoke and unplug pages",
+    },
+    CiRun {
+        kernel: "build:6.12+debug",
+        pages: "auto",
+        exporter: "vgpu",
+        iommu: false,
+        only: &[],
+        proves: "KASAN, lockdep, kmemleak and fault injection (built once from linux-source, \
+                 about 12 minutes on 2 cores, then cached), everything",
+    },
+    CiRun {
+        kernel: "debian:7.3",
+        pages: "auto",
+        exporter: "vfio",
+        iommu: true,
+        only: &["fgds_vfio", "fgds_python.py"],
+        proves: "vfio-pci as the exporter (an exporter nobody here wrote), under the vIOMMU",
+    },
+    CiRun {
+        kernel: "debian:7.3",
+        pages: "generic",
+        exporter: "vgpu",
+        iommu: true,
+        only: &["fgds_badinput"],
+        proves: "GENERIC pages under a translating IOMMU are refused (unsafe_setup_refused)",
+    },
 ];
 
 #[derive(clap::Args)]
@@ -39,8 +103,22 @@ pub struct DriverOptions {
     pub kernel: String,
 }
 
+/// A stage's name and what it cost, in seconds.
+type Stages = Vec<(String, f64)>;
+
+/// Runs `f` as stage `name`, adding its wall time to `stages`.
+fn stage<T>(stages: &mut Stages, name: &str, f: impl FnOnce() -> T) -> T {
+    let started = std::time::Instant::now();
+    let out = f();
+    stages.push((name.to_owned(), started.elapsed().as_secs_f64()));
+    out
+}
+
 pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
     let root = crate::project_root();
+    let started = std::time::Instant::now();
+    let mut stages = Stages::new();
+    let mut programs: Vec<(String, Vec<(String, f64)>)> = Vec::new();
     let mut outcomes = Vec::new();
     let steps: &[(&str, &[&str])] = &[
         ("ci::cargo-fmt", &["fmt", "--all", "--check"]),
@@ -64,11 +142,17 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
     ];
     for (name, args) in steps {
         eprintln!("ci: cargo {}", args.join(" "));
-        outcomes.push(cargo_step(&root, name, args)?);
+        let outcome = stage(&mut stages, &format!("cargo {}", args[0]), || {
+            cargo_step(&root, name, args)
+        })?;
+        outcomes.push(outcome);
     }
     eprintln!("ci: the Python package's wheel, mypy --strict and stubtest");
+    let python = stage(&mut stages, "python package", || {
+        crate::python::build_wheel().and_then(|wheel| crate::python::check(&wheel))
+    });
     outcomes.push(
-        match crate::python::build_wheel().and_then(|wheel| crate::python::check(&wheel)) {
+        match python {
             Ok(()) => Outcome {
                 name: "ci::python-check".to_owned(),
                 verdict: Verdict::Pass,
@@ -80,32 +164,61 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
         },
     );
     eprintln!("ci: checkpatch and sparse on driver/");
-    outcomes.extend(check_driver_outcomes(&DriverOptions {
-        kernel: "debian:6.12".to_owned(),
-    }));
+    let checks = stage(&mut stages, "checkpatch, sparse", || {
+        check_driver_outcomes(&DriverOptions {
+            kernel: "debian:6.12".to_owned(),
+        })
+    });
+    outcomes.extend(checks);
     eprintln!("ci: packages (lintian) and dkms build against every rig kernel");
-    outcomes.extend(or_failure("package::build", package_outcomes()));
-    let runs: Vec<(&str, &str, &str)> = if opts.kernels.is_empty() {
-        CI_RUNS.to_vec()
+    let packages = stage(&mut stages, "packages, dkms builds", package_outcomes);
+    outcomes.extend(or_failure("package::build", packages));
+    let given: Vec<CiRun>;
+    let runs: &[CiRun] = if opts.kernels.is_empty() {
+        &CI_RUNS
     } else {
-        opts.kernels
+        given = opts
+            .kernels
             .iter()
-            .map(|k| (k.as_str(), "auto", "vgpu"))
-            .collect()
+            .map(|k| CiRun {
+                kernel: Box::leak(k.clone().into_boxed_str()),
+                pages: "auto",
+                exporter: "vgpu",
+                iommu: false,
+                only: &[],
+                proves: "given on the command line",
+            })
+            .collect();
+        &given
     };
     let mut skips = Vec::new();
-    for (kernel, pages, exporter) in runs {
+    for run in runs {
         let vm_opts = vm::Options {
-            fgds_pages: pages.to_owned(),
-            iommu: exporter == "vfio",
-            exporter: exporter.to_owned(),
-            ..vm::Options::for_kernel(kernel)
+            fgds_pages: run.pages.to_owned(),
+            iommu: run.iommu,
+            exporter: run.exporter.to_owned(),
+            only: run.only.iter().map(|p| (*p).to_owned()).collect(),
+            ..vm::Options::for_kernel(run.kernel)
         };
+        let label = format!(
+            "{} pages={}{}{}",
+            run.kernel,
+            run.pages,
+            if run.exporter == "vgpu" {
+                String::new()
+            } else {
+                format!(" {}", run.exporter)
+            },
+            if run.iommu { " iommu" } else { "" }
+        );
+        eprintln!("ci: {label}: {}", run.proves);
+        let result = stage(&mut stages, &label, || vm::run_kernel(&vm_opts));
         outcomes.extend(or_failure(
-            &format!("{kernel}::run"),
-            vm::run_kernel(&vm_opts).map(|run| {
-                skips.push((run.config, run.expected_skips));
-                run.outcomes
+            &format!("{}::run", run.kernel),
+            result.map(|r| {
+                skips.push((r.config, r.expected_skips));
+                programs.push((format!("{label} ({})", r.phases), r.program_secs));
+                r.outcomes
             }),
         ));
     }
@@ -116,12 +229,12 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
         fuzz.kernel,
         fuzz.seed.as_deref().unwrap_or("-")
     );
-    outcomes.extend(or_failure("fuzz::run", crate::fuzz::run(&fuzz)));
+    let fuzzed = stage(&mut stages, "fuzzer", || crate::fuzz::run(&fuzz));
+    outcomes.extend(or_failure("fuzz::run", fuzzed));
     eprintln!("ci: rig self-test");
-    outcomes.extend(or_failure(
-        "rig-selftest::run",
-        selftest::run("debian:6.12"),
-    ));
+    let selftested = stage(&mut stages, "rig self-test", || selftest::run("debian:6.12"));
+    outcomes.extend(or_failure("rig-selftest::run", selftested));
+    print_costs(&stages, &programs, started.elapsed().as_secs_f64());
     let passed = report::print(outcomes);
     report::print_skips(&skips);
     Ok(if passed {
@@ -129,6 +242,32 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// What each stage cost, and per booted configuration its programs, dearest first; the whole
+/// table also goes to `target/ci-costs.txt`.
+fn print_costs(stages: &Stages, programs: &[(String, Vec<(String, f64)>)], total: f64) {
+    use std::fmt::Write as _;
+    let mut text = String::new();
+    let _ = writeln!(text, "ci: {total:.0} s in all; per stage:");
+    for (name, secs) in stages {
+        let _ = writeln!(text, "  {secs:7.1} s  {name}");
+    }
+    for (config, progs) in programs {
+        let mut progs = progs.clone();
+        progs.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let shown = progs
+            .iter()
+            .filter(|(_, s)| *s >= 1.0)
+            .map(|(p, s)| format!("{p} {s:.0}"))
+            .collect::<Vec<_>>();
+        let _ = writeln!(text, "  {config}: {}", shown.join(", "));
+    }
+    print!("{text}");
+    let path = crate::project_root().join("target/ci-costs.txt");
+    if let Err(err) = std::fs::write(&path, &text) {
+        eprintln!("ci: cannot write {}: {err}", path.display());
+    }
 }
 
 /// The packages' lintian verdicts and `<kernel>::dkms-build` for every kernel of

@@ -154,6 +154,10 @@ pub struct KernelRun {
     pub outcomes: Vec<Outcome>,
     /// Where the run's artifacts are.
     pub run_dir: PathBuf,
+    /// What each top-level result cost: the time from the one before (or the machine's start)
+    /// to it, and the host's phases before the machine (fetch, build, image, ...).
+    pub program_secs: Vec<(String, f64)>,
+    pub phases: String,
 }
 
 /// The values of fgds's `pages=` parameter.
@@ -507,6 +511,16 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         booted_in: run.boot,
         outcomes,
         run_dir: run_dir.clone(),
+        program_secs: run
+            .results
+            .iter()
+            .scan(Duration::ZERO, |last, (name, at)| {
+                let took = at.saturating_sub(*last);
+                *last = *at;
+                Some((name.clone(), took.as_secs_f64()))
+            })
+            .collect(),
+        phases: phases.summary(),
     })
 }
 
@@ -580,6 +594,8 @@ struct MachineRun {
     took: Duration,
     /// Until the first result (setup) arrived.
     boot: Option<Duration>,
+    /// Each top-level result's name, and when it arrived.
+    results: Vec<(String, Duration)>,
     panicked: bool,
 }
 
@@ -593,6 +609,7 @@ fn run_machine(
     let files = machine::run_files(&config.run_dir);
     let mut shown = 0;
     let mut boot = None;
+    let mut results = Vec::new();
     let mut show_new_results = || {
         let text = machine::read_log(&files.ktap);
         let lines = text
@@ -603,6 +620,13 @@ fn run_machine(
             if boot.is_none() {
                 boot = Some(started.elapsed());
             }
+            let name = line
+                .trim_start_matches("not ")
+                .split_whitespace()
+                .nth(2)
+                .unwrap_or("?")
+                .to_owned();
+            results.push((name, started.elapsed()));
             if echo {
                 eprintln!("  [{:6.1}s] {line}", started.elapsed().as_secs_f64());
             }
@@ -615,6 +639,7 @@ fn run_machine(
         exit,
         took: vm.elapsed(),
         boot,
+        results,
         panicked: vm.guest_panicked(),
     })
 }
