@@ -147,6 +147,30 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         );
         failed = true;
     }
+    // Every mode's I/O reached the drive: as many requests completed there as it made, or
+    // more where they were split. A mode that reports bytes it never moved fails the bench.
+    let unseen = rows
+        .iter()
+        .filter(|r| r["requests_per_io"].as_f64().is_some_and(|q| q < 0.99))
+        .map(|r| {
+            format!(
+                "{} {} {} qd{}: {:.2} requests per I/O",
+                r["mode"].as_str().unwrap_or("?"),
+                r["op"].as_str().unwrap_or("?"),
+                human(r["block_size"].as_u64().unwrap_or(0)),
+                r["queue_depth"],
+                r["requests_per_io"].as_f64().unwrap_or(0.0)
+            )
+        })
+        .collect::<Vec<_>>();
+    if !unseen.is_empty() {
+        eprintln!(
+            "bench: the drive completed fewer requests than these modes made, so their bytes \
+             did not all move: {}",
+            unseen.join("; ")
+        );
+        failed = true;
+    }
     let backing = backing_problems(&rows);
     for problem in backing.iter().take(5) {
         eprintln!(
