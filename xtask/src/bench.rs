@@ -524,7 +524,7 @@ fn explain_high_ratios(rows: &[Value]) -> (Vec<String>, usize) {
         let requests = |m: &str| modes.get(m).and_then(|row| row["requests_per_io"].as_f64());
         let again = paired(&modes, "ram-again", "ram");
         let why = match (requests("ram"), requests("direct"), again) {
-            (Some(rr), Some(rd), _) if rr > rd * 1.05 => {
+            (Some(rr), Some(rd), _) if rd >= 0.99 && rr > rd * 1.05 => {
                 format!("ram split: {rr:.1} requests per I/O, direct {rd:.1}")
             }
             (_, _, Some(a)) if a.ln().abs() >= 0.5 * r.ln() => {
