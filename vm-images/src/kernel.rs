@@ -48,7 +48,7 @@ pub enum KernelSpec {
     Debian { series: String },
     /// Built from Debian's `linux-source-X.Y` with `vm-images/configs/base.config`, plus
     /// `debug.config` (KASAN, lockdep, kmemleak, DMABUF_DEBUG, fault injection) if `debug`,
-    /// with the kernel changes `vm-images/kernel-patches/<patch>/<series>.patch` that
+    /// with the kernel changes `kernel-patches/<patch>/<series>.patch` that
     /// `patches` names applied in that order.
     Build {
         series: String,
@@ -124,10 +124,24 @@ pub fn has_config(kernel: &Kernel, option: &str) -> anyhow::Result<bool> {
     Ok(matches!(value, Some("y" | "m")))
 }
 
-/// Where the rig's kernel changes live: one directory per change, holding a patch per series
-/// it applies to (`<series>.patch`, `patch -p1` in the kernel tree) and a README.md.
+/// Where the kernel changes live (the project's `kernel-patches/`): one directory per change,
+/// holding for each series it applies to a patch (`<series>.patch`, `patch -p1` in the kernel
+/// tree) or a list of patches in order (`<series>.series`, see `kernel::build`).
 pub fn kernel_patches_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("kernel-patches")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap_or(Path::new("."))
+        .join("kernel-patches")
+}
+
+/// Where third-party kernel series are read from (a `comparators:` line of a `.series` file):
+/// `$FGDS_COMPARATORS`, else `../shared/comparators/` beside the project. The project never
+/// copies them into its own tree.
+pub fn comparators_dir() -> PathBuf {
+    match std::env::var_os("FGDS_COMPARATORS") {
+        Some(dir) => PathBuf::from(dir),
+        None => kernel_patches_dir().join("../../shared/comparators"),
+    }
 }
 
 /// The kernel changes a `build:` spec can name.
@@ -155,7 +169,7 @@ impl FromStr for KernelSpec {
                              series X.Y, e.g. debian:6.1, debian:6.12, debian:7.2, debian:7.3), \
                              `build:X.Y[+debug][+PATCH...]` (built from Debian's linux-source-X.Y \
                              with the rig's config, e.g. build:6.12, build:7.2+debug, and with \
-                             kernel changes of vm-images/kernel-patches/, e.g. \
+                             kernel changes of kernel-patches/, e.g. \
                              build:7.2+p2pdma-folios+p2pdma-merge) or `path:DIR` (a kernel tree built with \
                              `make bzImage modules`)";
         if let Some(series) = s.strip_prefix("debian:") {
@@ -180,7 +194,7 @@ impl FromStr for KernelSpec {
                     }
                     _ => bail!(
                         "invalid kernel spec {s:?}: unknown or repeated variant +{flavour} \
-                         (+debug, then kernel changes of vm-images/kernel-patches/, each once: \
+                         (+debug, then kernel changes of kernel-patches/, each once: \
                          {}); {FORMS}",
                         patch_names().join(", ")
                     ),

@@ -100,7 +100,7 @@ const PROBES: &[(&str, Has)] = &[
 enum Has {
     /// Every kernel from this series on.
     Since(u32, u32),
-    /// Only `build:` kernels with this change of vm-images/kernel-patches/ applied.
+    /// Only `build:` kernels with this change of kernel-patches/ applied.
     Patch(&'static str),
 }
 

@@ -133,7 +133,7 @@ pub enum When {
     Exporter(Exporter),
     /// fgds's mode, as [`MODES`] gives it, is one of these (not for rows of [`MODES`]).
     Mode(&'static [Mode]),
-    /// The kernel is not a `build:` kernel with this change of vm-images/kernel-patches/.
+    /// The kernel is not a `build:` kernel with this change of kernel-patches/.
     Unpatched(&'static str),
 }
 

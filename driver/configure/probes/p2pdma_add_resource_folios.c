@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
  * pci_p2pdma_add_resource_folios(): P2PDMA pages as large folios, kept out
- * of the P2PDMA allocator (vm-images/kernel-patches/p2pdma-folios; not
+ * of the P2PDMA allocator (kernel-patches/p2pdma-folios; not
  * upstream).
  */
 #include <linux/pci-p2pdma.h>

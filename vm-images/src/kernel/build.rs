@@ -1,6 +1,6 @@
 //! `build:X.Y[+debug][+PATCH...]`: a guest kernel built from Debian's `linux-source-X.Y` with the
 //! rig's config fragments (`vm-images/configs/`) and, for each `+PATCH` in order, the kernel change
-//! `vm-images/kernel-patches/PATCH/X.Y.patch` applied to a copy of the tree (hard links, so
+//! `kernel-patches/PATCH/X.Y.patch` applied to a copy of the tree (hard links, so
 //! the copy costs seconds), cached by version and a hash of everything that changes the result.
 //!
 //! ```text
@@ -72,24 +72,11 @@ pub(super) fn prepare(
     };
     let patches = patches
         .iter()
-        .map(|name| {
-            let path = super::kernel_patches_dir()
-                .join(name)
-                .join(format!("{series}.patch"));
-            let text = fs::read_to_string(&path).with_context(|| {
-                format!(
-                    "the kernel change {name} has no patch for {series} ({}); it exists for: {}",
-                    path.display(),
-                    patched_series(name)
-                )
-            })?;
-            anyhow::Ok(Patch {
-                name: name.as_str(),
-                path,
-                text,
-            })
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
+        .map(|name| change_patches(name, series))
+        .collect::<anyhow::Result<Vec<_>>>()?
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>();
     let host_log = cache_dir.join("host-packages.log");
     host::ensure(host::UNPACK, &host_log)?;
     host::ensure(host::BUILD, &host_log)?;
@@ -103,7 +90,7 @@ pub(super) fn prepare(
         parts.extend([fragment.name, fragment.text]);
     }
     for patch in &patches {
-        parts.extend([patch.name, patch.text.as_str()]);
+        parts.extend([patch.name.as_str(), patch.text.as_str()]);
     }
     let key = kconfig::cache_key(&parts);
 
@@ -150,10 +137,18 @@ fn patched_series(name: &str) -> String {
         .flatten()
         .filter_map(|e| {
             let name = e.ok()?.file_name().to_string_lossy().into_owned();
-            name.strip_suffix(".patch").map(str::to_owned)
+            let series = name
+                .strip_suffix(".patch")
+                .or_else(|| name.strip_suffix(".series"))?;
+            // `7.2.patch`, `7.2.series`; not the files a series lists (`7.2-prep.patch`).
+            series
+                .chars()
+                .all(|c| c.is_ascii_digit() || c == '.')
+                .then(|| series.to_owned())
         })
         .collect::<Vec<_>>();
     series.sort();
+    series.dedup();
     if series.is_empty() {
         "no series".to_owned()
     } else {
@@ -161,11 +156,65 @@ fn patched_series(name: &str) -> String {
     }
 }
 
-/// A kernel change to apply: its name, its patch for the series and the patch's text.
-struct Patch<'a> {
-    name: &'a str,
+/// A patch to apply: the kernel change it belongs to, its file and its text.
+struct Patch {
+    name: String,
     path: PathBuf,
     text: String,
+}
+
+/// The patches of kernel change `name` for `series`, in order: its `<series>.patch`, or the
+/// files its `<series>.series` lists, one per line (`#` comments and blank lines aside): a file
+/// of the change's directory, or `comparators:<dir>/<file>`, a third-party series read from
+/// [`super::comparators_dir`].
+fn change_patches(name: &str, series: &str) -> anyhow::Result<Vec<Patch>> {
+    let dir = super::kernel_patches_dir().join(name);
+    let read = |path: PathBuf| -> anyhow::Result<Patch> {
+        let text = fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {} (kernel change {name})", path.display()))?;
+        Ok(Patch {
+            name: name.to_owned(),
+            path,
+            text,
+        })
+    };
+    let single = dir.join(format!("{series}.patch"));
+    if single.exists() {
+        return Ok(vec![read(single)?]);
+    }
+    let list = dir.join(format!("{series}.series"));
+    let text = fs::read_to_string(&list).with_context(|| {
+        format!(
+            "the kernel change {name} has no patch for {series} ({} or {}); it exists for: {}",
+            single.display(),
+            list.display(),
+            patched_series(name)
+        )
+    })?;
+    let mut patches = Vec::new();
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let path = match line.strip_prefix("comparators:") {
+            Some(rel) => {
+                let path = super::comparators_dir().join(rel);
+                if !path.exists() {
+                    bail!(
+                        "{}: {} is not there: the third-party series are read from {} (set \
+                         FGDS_COMPARATORS to the folder that holds them)",
+                        list.display(),
+                        path.display(),
+                        super::comparators_dir().display()
+                    );
+                }
+                path
+            }
+            None => dir.join(line),
+        };
+        patches.push(read(path)?);
+    }
+    Ok(patches)
 }
 
 /// A copy of `src` with the kernel changes `patches` applied in order: `<root>.src/linux`, hard
@@ -175,7 +224,7 @@ struct Patch<'a> {
 fn patched_tree(
     src: &Path,
     root: &Path,
-    patches: &[Patch<'_>],
+    patches: &[Patch],
     log: &Path,
 ) -> anyhow::Result<PathBuf> {
     let dir = with_suffix(root, ".src");
@@ -190,7 +239,16 @@ fn patched_tree(
     sh.change_dir(&tree);
     for Patch { name, path, .. } in patches {
         eprintln!("applying the kernel change {name} ({})", path.display());
-        run_logged(cmd!(sh, "patch -p1 --forward --batch -i {path}"), log).with_context(|| {
+        // Fuzz 2 (GNU patch's default, said here): a series posted against another base may
+        // need it (kernel-patches/README.md names where).
+        run_logged(
+            cmd!(
+                sh,
+                "patch -p1 --forward --batch --fuzz=2 --no-backup-if-mismatch -i {path}"
+            ),
+            log,
+        )
+        .with_context(|| {
             format!(
                 "{} does not apply to {} with the changes before it: see {}",
                 path.display(),
@@ -199,7 +257,7 @@ fn patched_tree(
             )
         })?;
     }
-    let names: Vec<_> = patches.iter().map(|p| p.name).collect();
+    let names: Vec<_> = patches.iter().map(|p| p.path.display().to_string()).collect();
     fs::write(&marker, names.join("+"))
         .with_context(|| format!("cannot write {}", marker.display()))?;
     Ok(tree)
