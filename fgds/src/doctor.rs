@@ -85,6 +85,10 @@ pub struct Report {
     pub group: Group,
     /// The CUDA devices, or why there are none.
     pub cuda: Result<Vec<CudaDevice>, String>,
+    /// Whether this kernel has its own dma-buf registered buffers for io_uring (the NVMe
+    /// driver as the importer, no fgds: `crate::upstream`), or why not; asked of the running
+    /// kernel only when examining `/`.
+    pub uring_dmabuf: Result<(), String>,
     /// The path a read would take, and what stands in the direct path's way.
     pub verdict: Verdict,
 }
@@ -243,6 +247,11 @@ pub fn examine(root: &Path, who: &Identity, cuda: Result<Vec<CudaDevice>, String
     let group = group(root, who);
     let drives = drives(root);
     let gpus = gpus(root, who, &drives, cuda.as_deref().unwrap_or_default());
+    let uring_dmabuf = if root == Path::new("/") {
+        crate::upstream::supported().map_err(|not| not.reason)
+    } else {
+        Err(format!("not asked: {} is not the running system", root.display()))
+    };
     let mut report = Report {
         kernel,
         module,
@@ -252,6 +261,7 @@ pub fn examine(root: &Path, who: &Identity, cuda: Result<Vec<CudaDevice>, String
         drives,
         group,
         cuda,
+        uring_dmabuf,
         verdict: Verdict {
             path: String::new(),
             direct: false,
@@ -781,12 +791,20 @@ fn verdict(report: &Report) -> Verdict {
         );
     }
     let direct = blockers.is_empty();
-    let path = match (direct, &mode) {
+    let mut path = match (direct, &mode) {
         (true, Some(mode)) => format!("direct (fgds, {mode} pages)"),
         _ => {
             "bounce: into RAM, then a copy to the GPU (the direct path is not available)".to_owned()
         }
     };
+    // The kernel's own path comes first where it exists, for what it takes.
+    if report.uring_dmabuf.is_ok() && !pcie.is_empty() {
+        path = format!(
+            "uring-dmabuf for raw NVMe namespaces opened O_DIRECT (the kernel's dma-buf \
+             registered buffers: the NVMe driver imports the GPU's dma-buf, no fgds); files on \
+             a file system: {path}"
+        );
+    }
     Verdict {
         path,
         direct,
@@ -859,6 +877,14 @@ impl Report {
         if !self.cmdline.is_empty() {
             line("cmdline", self.cmdline.join(" "));
         }
+        line(
+            "io_uring",
+            match &self.uring_dmabuf {
+                Ok(()) => "dma-buf registered buffers: yes (the kernel's own path, taken first)"
+                    .to_owned(),
+                Err(why) => format!("dma-buf registered buffers: no ({why})"),
+            },
+        );
         if self.gpus.is_empty() {
             line("gpu", "none".to_owned());
         }
@@ -1018,6 +1044,10 @@ impl Report {
                 "merging": d.merging,
             })).collect::<Vec<_>>(),
             "group": {"gid": self.group.gid, "member": self.group.member, "root": self.group.root},
+            "uring_dmabuf": match &self.uring_dmabuf {
+                Ok(()) => json!({"available": true}),
+                Err(why) => json!({"available": false, "why": why}),
+            },
             "verdict": {
                 "path": self.verdict.path,
                 "direct": self.verdict.direct,

@@ -1,8 +1,10 @@
-//! A file for reads into and writes from GPU memory of any kind ([`GpuMemory`]): direct where
-//! fgds can (the io_uring [`Transfer`] between the file's `O_DIRECT` descriptor and the
-//! memory's registration), through host RAM where it cannot (the fallback: into a staging
-//! buffer, then the GPU runtime's copy), and every transfer says which path it took and why
-//! not the direct one.
+//! A file for reads into and writes from GPU memory of any kind ([`GpuMemory`]), by the best
+//! path there is, in this order: the kernel's own dma-buf registered buffers where the kernel
+//! has them and the memory is a dma-buf (`crate::upstream`: the NVMe driver imports it, no
+//! fgds), then fgds (the io_uring [`Transfer`] between the file's `O_DIRECT` descriptor and the
+//! memory's registration: fgds's commands, else the mapping), then host RAM (the fallback:
+//! into a staging buffer, then the GPU runtime's copy). Every transfer says which path it took
+//! and, by name, why each better one was not taken.
 //!
 //! The fallback is never silent: a [`Completion`] carries the path and the reason, and with the
 //! fallback off the same reason is an [`Error::DirectUnavailable`]. Only the absence of the
@@ -31,6 +33,9 @@ use crate::transfer::{Direction, Transfer, TransferConfig};
 /// The path a transfer took.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IoPath {
+    /// DMA between the drive and the GPU's memory, the NVMe driver importing the dma-buf
+    /// (the kernel's dma-buf registered buffers; a sub-block tail through RAM).
+    UringDmabuf,
     /// DMA between the drive and the GPU's memory through fgds (a sub-block tail, if any,
     /// through RAM: [`Completion::bounced`]).
     Direct,
@@ -41,6 +46,7 @@ pub enum IoPath {
 impl IoPath {
     pub fn as_str(self) -> &'static str {
         match self {
+            IoPath::UringDmabuf => "uring-dmabuf",
             IoPath::Direct => "direct",
             IoPath::Bounce => "bounce",
         }
@@ -53,7 +59,9 @@ pub struct Completion {
     /// Bytes moved: the size asked for, or less for a read that reached the end of the file.
     pub bytes: u64,
     pub path: IoPath,
-    /// Why not direct ([`IoPath::Bounce`] only).
+    /// Why not a better path: for [`IoPath::Bounce`], why not direct (and, where the kernel
+    /// has its own dma-buf buffers, why not those); for [`IoPath::Direct`], why not the
+    /// kernel's dma-buf buffers where they exist; `None` where the best path was taken.
     pub reason: Option<String>,
     /// Bytes that went through host RAM: all of them for a bounce, a sub-block tail for a
     /// direct transfer.
@@ -91,6 +99,13 @@ impl Mode {
             truncate,
         })
     }
+}
+
+/// Why the kernel's dma-buf buffers did not move a transfer: refused before a byte moved (the
+/// next path takes it), or failed during it (an error: no silent fallback over a failure).
+enum Refusal {
+    Before(NotDirect),
+    During(Error),
 }
 
 /// An open file for transfers to and from GPU memory.
@@ -308,6 +323,34 @@ impl GpuFile {
         if n > 0 {
             mem.synchronize()?;
         }
+        let aligned = n / self.align * self.align;
+        // The kernel's own dma-buf buffers first; where they are not there, why, unless no
+        // kernel here has them at all (then fgds's reason alone is the news).
+        let kernel = match self.kernel_plan(mem, file_offset, mem_offset) {
+            Ok((fd, start)) if aligned > 0 => {
+                match self.run_kernel(dir, fd, start, aligned, file_offset) {
+                    Ok(()) => {
+                        let tail = n - aligned;
+                        self.bounce(dir, mem, file_offset + aligned, mem_offset + aligned, tail)
+                            .map_err(|e| shifted(e, aligned, n))?;
+                        return Ok(Completion {
+                            bytes: n,
+                            path: IoPath::UringDmabuf,
+                            reason: None,
+                            bounced: tail,
+                        });
+                    }
+                    Err(Refusal::Before(not)) => Some(not),
+                    Err(Refusal::During(err)) => return Err(shifted(err, 0, n)),
+                }
+            }
+            Ok(_) => None,
+            Err(not) => (not.errno != 0).then_some(not),
+        };
+        let not_kernel = |reason: String| match &kernel {
+            Some(k) => format!("{reason} (not uring-dmabuf either: {})", k.reason),
+            None => reason,
+        };
         let range = match plan {
             Ok(range) => range,
             Err(not) if fallback => {
@@ -315,7 +358,7 @@ impl GpuFile {
                 return Ok(Completion {
                     bytes: n,
                     path: IoPath::Bounce,
-                    reason: Some(not.reason),
+                    reason: Some(not_kernel(not.reason)),
                     bounced: n,
                 });
             }
@@ -327,7 +370,6 @@ impl GpuFile {
             }
         };
         let direct = self.direct.as_ref().expect("plan checked the O_DIRECT fd");
-        let aligned = n / self.align * self.align;
         if aligned == 0 && n > 0 {
             // Nothing fills one block: O_DIRECT cannot move any of it.
             let reason = format!(
@@ -389,9 +431,72 @@ impl GpuFile {
         Ok(Completion {
             bytes: n,
             path: IoPath::Direct,
-            reason: None,
+            reason: kernel.map(|k| format!("not uring-dmabuf: {}", k.reason)),
             bounced: tail,
         })
+    }
+
+    /// Whether the kernel's dma-buf registered buffers can take a transfer between this file at
+    /// `file_offset` and `mem` at `mem_offset`: the dma-buf and the byte of it where the
+    /// memory's range starts, or why not (errno 0: this kernel has none, nothing to report).
+    fn kernel_plan<'m>(
+        &self,
+        mem: &'m dyn GpuMemory,
+        file_offset: u64,
+        mem_offset: u64,
+    ) -> std::result::Result<(BorrowedFd<'m>, u64), NotDirect> {
+        if crate::upstream::supported().is_err() {
+            return Err(NotDirect::new(0, ""));
+        }
+        let (fd, start) = mem.dmabuf().ok_or_else(|| {
+            NotDirect::new(
+                libc::EOPNOTSUPP,
+                format!(
+                    "{} is not a dma-buf this process holds",
+                    mem.describe()
+                ),
+            )
+        })?;
+        if let Err(not) = &self.direct {
+            return Err(not.clone());
+        }
+        let at = start + mem_offset;
+        if !file_offset.is_multiple_of(self.align) || !at.is_multiple_of(self.align) {
+            return Err(NotDirect::new(
+                libc::EINVAL,
+                format!(
+                    "file offset {file_offset:#x} or dma-buf offset {at:#x} is not a multiple \
+                     of {}'s O_DIRECT alignment ({} bytes)",
+                    self.path.display(),
+                    self.align
+                ),
+            ));
+        }
+        Ok((fd, at))
+    }
+
+    /// `len` bytes at byte `start` of the dma-buf `fd` to or from the file at `file_offset`,
+    /// through the kernel's dma-buf registered buffers.
+    fn run_kernel(
+        &self,
+        dir: Direction,
+        fd: BorrowedFd<'_>,
+        start: u64,
+        len: u64,
+        file_offset: u64,
+    ) -> std::result::Result<(), Refusal> {
+        let direct = self.direct.as_ref().expect("kernel_plan checked the O_DIRECT fd");
+        let start = usize::try_from(start)
+            .map_err(|_| Refusal::During(Error::Invalid("offset past the address space".into())))?;
+        let mut transfer = Transfer::new(TransferConfig::DEFAULT).map_err(Refusal::During)?;
+        match transfer.run_dmabuf(dir, fd, start..start + len as usize, direct, file_offset) {
+            Ok(_) => Ok(()),
+            // Refused at registration: nothing moved, the next path takes it all.
+            Err(Error::Refused { errno, reason }) => {
+                Err(Refusal::Before(NotDirect::new(errno, reason)))
+            }
+            Err(err) => Err(Refusal::During(err)),
+        }
     }
 
     /// Moves `len` bytes through host RAM, a staging buffer at a time; the file I/O of one

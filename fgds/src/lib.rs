@@ -30,6 +30,7 @@ mod gpu_file;
 pub mod memory;
 mod transfer;
 pub mod uapi;
+pub mod upstream;
 pub mod vgpu;
 
 pub use buffer::{Buffer, dio_alignment, open_direct};

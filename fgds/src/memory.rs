@@ -39,6 +39,13 @@ pub trait GpuMemory: Send + Sync {
     /// The fgds registration that covers it, or why there is none.
     fn direct(&self) -> std::result::Result<DirectRange, NotDirect>;
 
+    /// The dma-buf that holds it and the byte of the dma-buf where it starts, for the kernel's
+    /// own dma-buf registered buffers (`crate::upstream`); `None` where the process holds no
+    /// dma-buf of it.
+    fn dmabuf(&self) -> Option<(BorrowedFd<'_>, u64)> {
+        None
+    }
+
     /// Where the fallback stages data in host RAM on its way to or from this memory.
     fn staging(&self) -> Result<Arc<StagingPool>>;
 
@@ -732,6 +739,10 @@ impl GpuMemory for DmabufMemory {
 
     fn direct(&self) -> std::result::Result<DirectRange, NotDirect> {
         self.direct.clone()
+    }
+
+    fn dmabuf(&self) -> Option<(BorrowedFd<'_>, u64)> {
+        Some((self.fd.as_fd(), self.offset))
     }
 
     fn staging(&self) -> Result<Arc<StagingPool>> {

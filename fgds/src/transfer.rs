@@ -3,7 +3,10 @@
 //!
 //! GPU memory is never pinned as an io_uring fixed buffer: such a pin would outlive a
 //! revocation, and the kernel refuses it for fgds mappings (docs/driver.md, "Revocation
-//! contract"). Each run takes the first of two paths that the kernel offers:
+//! contract"). [`Transfer::run_dmabuf`] takes the kernel's own dma-buf registered buffers
+//! (`crate::upstream`, where a kernel has them: the NVMe driver imports the dma-buf, no fgds);
+//! [`Transfer::run`], on an fgds registration, takes the first of two paths that the kernel
+//! offers:
 //!
 //! 1. fgds's own commands (`FGDS_URING_CMD_READ`/`WRITE`, from Linux 6.12): fgds hands the
 //!    file an iterator over the registration's pages, nothing pinned, and the I/O completes
@@ -16,7 +19,7 @@
 
 use std::fs::File;
 use std::ops::Range;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 
 use io_uring::squeue::Entry128;
 use io_uring::{IoUring, opcode, types};
@@ -70,21 +73,52 @@ pub struct Transfer {
     commands: Option<bool>,
     config: TransferConfig,
     last_path: Option<TransferPath>,
+    /// The dma-buf registered in the ring's buffer slot 0 and the file it is for
+    /// ([`Transfer::run_dmabuf`]); `None` before the first, the table made on first use.
+    dmabuf_slot: Option<Option<DmabufSlot>>,
+}
+
+/// What a [`Transfer`]'s buffer slot holds: the dma-buf and the open file, by identity.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct DmabufSlot {
+    dmabuf: (u64, u64),
+    file: (u64, u64, RawFd),
+}
+
+/// A file's device and inode.
+fn identity(fd: BorrowedFd<'_>) -> std::io::Result<(u64, u64)> {
+    let st = rustix::fs::fstat(fd)?;
+    Ok((st.st_dev, st.st_ino))
 }
 
 /// How a [`Transfer::run`] moved its data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransferPath {
+    /// The kernel's dma-buf registered buffers (`READ_FIXED`/`WRITE_FIXED` at offsets into
+    /// the dma-buf, which the NVMe driver imported): no fgds.
+    KernelDmabuf,
     /// By fgds's commands (`FGDS_URING_CMD_READ`/`WRITE`): nothing pinned.
     Command,
     /// Through the mapped address: each request pinned its pages while in flight.
     Mapped,
 }
 
+impl TransferPath {
+    /// As reports name it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransferPath::KernelDmabuf => "uring-dmabuf",
+            TransferPath::Command => "fgds-commands",
+            TransferPath::Mapped => "fgds-mapping",
+        }
+    }
+}
+
 /// What one `run` call moves, shared by its sub-requests.
 struct Job<'a> {
     dir: Direction,
-    buffer: &'a Buffer,
+    /// The fgds registration; `None` for [`TransferPath::KernelDmabuf`] (slot 0).
+    buffer: Option<&'a Buffer>,
     range: Range<usize>,
     file: &'a File,
     file_offset: u64,
@@ -97,6 +131,20 @@ struct Chunk {
     start: usize,
     len: usize,
     done: usize,
+    /// Spurious `EAGAIN`s of the kernel's dma-buf buffers, issued again.
+    again: u32,
+}
+
+/// The most spurious `EAGAIN`s one sub-request is issued again for.
+const MAX_AGAIN: u32 = 64;
+
+fn io_error(op: &'static str) -> impl Fn(std::io::Error) -> Error {
+    move |source| Error::Io {
+        op,
+        done: 0,
+        len: 0,
+        source,
+    }
 }
 
 impl Transfer {
@@ -119,7 +167,90 @@ impl Transfer {
             commands: None,
             config,
             last_path: None,
+            dmabuf_slot: None,
         })
+    }
+
+    /// Moves `range` of the dma-buf `dmabuf` (byte offsets into it) to or from `file` at
+    /// `file_offset` through the kernel's dma-buf registered buffers (`crate::upstream`): the
+    /// NVMe driver imports the dma-buf, no fgds is involved. `file` must be an `O_DIRECT` NVMe
+    /// block device; the registration stays in the ring for the next call with the same
+    /// dma-buf and file. Errors as [`Transfer::run`]'s; a registration the kernel refuses is an
+    /// [`Error::Refused`] whose errno and reason say why (`EOPNOTSUPP`: not an NVMe device).
+    pub fn run_dmabuf(
+        &mut self,
+        dir: Direction,
+        dmabuf: BorrowedFd<'_>,
+        range: Range<usize>,
+        file: &File,
+        file_offset: u64,
+    ) -> Result<usize> {
+        let size = crate::dmabuf::DmabufInfo::of(dmabuf)?.size;
+        check_direct_io(file, file_offset, &range, size as usize)?;
+        crate::upstream::supported().map_err(|not| Error::Refused {
+            errno: not.errno,
+            reason: not.reason,
+        })?;
+        let wanted = DmabufSlot {
+            dmabuf: identity(dmabuf).map_err(io_error("fstat of the dma-buf"))?,
+            file: {
+                let (dev, ino) = identity(file.as_fd()).map_err(io_error("fstat of the file"))?;
+                (dev, ino, file.as_raw_fd())
+            },
+        };
+        match self.dmabuf_slot {
+            Some(Some(held)) if held == wanted => {}
+            held => {
+                if held.is_none() {
+                    self.uring
+                        .submitter()
+                        .register_buffers_sparse(1)
+                        .map_err(io_error("a sparse io_uring buffer table"))?;
+                } else {
+                    crate::upstream::unregister(&self.uring, 0)
+                        .map_err(io_error("emptying the io_uring buffer slot"))?;
+                }
+                self.dmabuf_slot = Some(None);
+                crate::upstream::register_in(&self.uring, 0, dmabuf, file.as_fd()).map_err(
+                    |err| {
+                        let not = crate::upstream::refusal(&err);
+                        Error::Refused {
+                            errno: not.errno,
+                            reason: not.reason,
+                        }
+                    },
+                )?;
+                self.dmabuf_slot = Some(Some(wanted));
+            }
+        }
+        let job = Job {
+            dir,
+            buffer: None,
+            range: range.clone(),
+            file,
+            file_offset,
+            path: TransferPath::KernelDmabuf,
+        };
+        self.last_path = Some(TransferPath::KernelDmabuf);
+        let op = match dir {
+            Direction::Read => "io_uring READ_FIXED (dma-buf)",
+            Direction::Write => "io_uring WRITE_FIXED (dma-buf)",
+        };
+        let chunks = self.chunks(range.len());
+        run_job(&mut self.uring, self.config, &job, chunks, op, range.len())
+    }
+
+    /// Sub-requests of `chunk_size` covering `total` bytes.
+    fn chunks(&self, total: usize) -> Vec<Chunk> {
+        (0..total)
+            .step_by(self.config.chunk_size)
+            .map(|start| Chunk {
+                start,
+                len: self.config.chunk_size.min(total - start),
+                done: 0,
+                again: 0,
+            })
+            .collect()
     }
 
     /// Moves `range` of `buffer` to or from `file` at `file_offset`; returns the bytes moved.
@@ -147,17 +278,7 @@ impl Transfer {
             Direction::Write => "io_uring write",
         };
         let total = range.len();
-        let mut chunks = Vec::new();
-        let mut at = 0;
-        while at < total {
-            let len = self.config.chunk_size.min(total - at);
-            chunks.push(Chunk {
-                start: at,
-                len,
-                done: 0,
-            });
-            at += len;
-        }
+        let chunks = self.chunks(total);
         let path = if takes_commands(&mut self.uring, &mut self.commands, buffer) {
             TransferPath::Command
         } else {
@@ -165,7 +286,7 @@ impl Transfer {
         };
         let job = Job {
             dir,
-            buffer,
+            buffer: Some(buffer),
             range: range.clone(),
             file,
             file_offset,
@@ -276,6 +397,18 @@ fn run_job(
         for (index, res) in completions {
             in_flight -= 1;
             let chunk = &mut chunks[index];
+            // The kernel's dma-buf buffers may answer EAGAIN while the NVMe driver maps the
+            // dma-buf again after an invalidation (the series says callers must expect it).
+            if res == -libc::EAGAIN
+                && job.path == TransferPath::KernelDmabuf
+                && chunk.again < MAX_AGAIN
+                && failure.is_none()
+            {
+                chunk.again += 1;
+                submit(uring, job, &chunks[index], index)?;
+                in_flight += 1;
+                continue;
+            }
             if res < 0 {
                 let err = std::io::Error::from_raw_os_error(-res);
                 if failure.as_ref().is_none_or(|(i, _)| index < *i) {
@@ -321,26 +454,40 @@ fn submit(uring: &mut IoUring<Entry128>, job: &Job<'_>, chunk: &Chunk, index: us
     let len = (chunk.len - chunk.done) as u32;
     let file_off = file_offset + (chunk.start + chunk.done) as u64;
     let fd = types::Fd(file.as_raw_fd());
-    let sqe: Entry128 = match job.path {
-        TransferPath::Command => {
+    let sqe: Entry128 = match (job.path, job.buffer) {
+        (TransferPath::KernelDmabuf, _) => {
+            // The address of a dma-buf registered buffer is a byte offset into the dma-buf.
+            let at = offset as *mut u8;
+            match dir {
+                Direction::Read => opcode::ReadFixed::new(fd, at, len, 0)
+                    .offset(file_off)
+                    .build(),
+                Direction::Write => opcode::WriteFixed::new(fd, at, len, 0)
+                    .offset(file_off)
+                    .build(),
+            }
+            .into()
+        }
+        (TransferPath::Command, Some(buffer)) => {
             let op = match dir {
                 Direction::Read => crate::uapi::URING_CMD_READ,
                 Direction::Write => crate::uapi::URING_CMD_WRITE,
             };
-            let arg = job.buffer.io_arg(file, offset, len as usize, file_off);
-            opcode::UringCmd80::new(types::Fd(job.buffer.node().as_raw_fd()), op)
+            let arg = buffer.io_arg(file, offset, len as usize, file_off);
+            opcode::UringCmd80::new(types::Fd(buffer.node().as_raw_fd()), op)
                 .cmd(arg.to_cmd())
                 .build()
         }
-        TransferPath::Mapped => {
+        (TransferPath::Mapped, Some(buffer)) => {
             // SAFETY: `offset + (len - done)` stays inside `range`, which is inside the buffer.
-            let ptr = unsafe { job.buffer.as_ptr().add(offset) };
+            let ptr = unsafe { buffer.as_ptr().add(offset) };
             match dir {
                 Direction::Read => opcode::Read::new(fd, ptr, len).offset(file_off).build(),
                 Direction::Write => opcode::Write::new(fd, ptr, len).offset(file_off).build(),
             }
             .into()
         }
+        (_, None) => return Err(Error::Invalid("an fgds path without a registration".into())),
     }
     .user_data(index as u64);
     // SAFETY: the buffer and file outlive the request: `run` waits for every completion

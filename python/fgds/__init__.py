@@ -311,9 +311,11 @@ class Completed(int):
     the path it took."""
 
     path: str
-    """``direct`` or ``bounce``."""
+    """``uring-dmabuf`` (the kernel's own dma-buf registered buffers, where the kernel has
+    them), ``direct`` (fgds) or ``bounce`` (through host RAM)."""
     reason: Optional[str]
-    """Why not direct (``bounce`` only)."""
+    """Why not a better path: for ``bounce``, why not direct; for ``direct``, why not
+    ``uring-dmabuf`` where the kernel has it; ``None`` where the best path was taken."""
     bounced: int
     """Bytes that went through host RAM: all of a bounce, a sub-block tail of a direct one."""
 
@@ -326,7 +328,8 @@ class Completed(int):
 
     @property
     def direct(self) -> bool:
-        return self.path == "direct"
+        """Whether the drive's DMA reached GPU memory with no copy through host RAM."""
+        return self.path in ("direct", "uring-dmabuf")
 
     def __repr__(self) -> str:
         why = f", reason={self.reason!r}" if self.reason else ""

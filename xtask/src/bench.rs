@@ -43,6 +43,10 @@ pub struct Options {
     /// fgds's `pages=` parameter (as for test-vm).
     #[arg(long, default_value = "auto", value_parser = vm::FGDS_PAGES)]
     pub fgds_pages: String,
+    /// A translating vIOMMU (intel-iommu, strict: every unmap flushed), as for test-vm; the
+    /// results go to `target/bench/<kernel>+iommu.*`.
+    #[arg(long)]
+    pub iommu: bool,
     /// io_uring fixed buffers for every mode where the kernel takes them (auto), or for none
     /// (off: every request pins its pages, the crate's default path).
     #[arg(long, default_value = "auto", value_parser = ["auto", "off"])]
@@ -69,6 +73,9 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
     let out_dir = crate::project_root().join("target/bench");
     std::fs::create_dir_all(&out_dir)?;
     let mut label = run.spec.replace(':', "-");
+    if opts.iommu {
+        label += "+iommu";
+    }
     // An experiment's results go beside the defaults', not over them.
     if !opts.append.trim().is_empty() {
         label += &format!(
@@ -233,6 +240,7 @@ fn boot(opts: &Options, vgpu_mode: &str, set: &str) -> anyhow::Result<vm::Kernel
         // to its own limit (4-8 MiB), and the grid raises `max_sectors_kb` to it, so that no
         // mode's request of 4 MiB or less is split where another's is not (docs/performance.md).
         nvme_mdts: Some(0),
+        iommu: opts.iommu,
         ..vm::Options::for_kernel(&opts.kernel)
     })
 }
@@ -427,7 +435,7 @@ fn grid<'a>(rows: &'a [Value], set: &str) -> Grid<'a> {
 fn print_table(rows: &[Value]) {
     let same_pages = grid(rows, P2PMEM_SET);
     println!(
-        "{:<5} {:>3} {:>5} | {:>8} {:>6} {:>6} {:>6} {:>6} | {:>6} {:>6} | {:>6} {:>6} | {:>5} {:>5} | {:>6} {:>8}",
+        "{:<5} {:>3} {:>5} | {:>8} {:>6} {:>6} {:>6} {:>6} {:>6} | {:>6} {:>6} | {:>6} {:>6} | {:>5} {:>5} | {:>6} {:>8}",
         "op",
         "qd",
         "block",
@@ -436,6 +444,7 @@ fn print_table(rows: &[Value]) {
         "bounce",
         "ram2",
         "split",
+        "kdmabuf",
         "CPU r",
         "CPU d",
         "QEMU r",
@@ -461,7 +470,7 @@ fn print_table(rows: &[Value]) {
         let other = same_pages.get(&(op.clone(), qd, bs));
         let p2p = |a: &str, b: &str| fmt_ratio(other.and_then(|m| paired(m, a, b)));
         println!(
-            "{:<5} {:>3} {:>5} | {:>8.0} {:>6} {:>6} {:>6} {:>6} | {:>6} {:>6} | {:>6} {:>6} | {:>5} {:>5} | {:>6} {:>8}",
+            "{:<5} {:>3} {:>5} | {:>8.0} {:>6} {:>6} {:>6} {:>6} {:>6} | {:>6} {:>6} | {:>6} {:>6} | {:>5} {:>5} | {:>6} {:>8}",
             op,
             qd,
             human(bs),
@@ -470,6 +479,7 @@ fn print_table(rows: &[Value]) {
             ratio("bounce"),
             ratio("ram-again"),
             ratio("ram-split"),
+            ratio("uring-dmabuf"),
             num("ram", "cpu_s_per_gib", 2),
             num("direct", "cpu_s_per_gib", 2),
             qemu("ram"),
@@ -482,7 +492,8 @@ fn print_table(rows: &[Value]) {
     }
     println!(
         "(direct, bounce, ram2 (ram-again, ram against itself: the rig's noise at the point), split \
-         (ram-split: ram in requests of at most 512 KiB): throughput as a ratio of ram's in the \
+         (ram-split: ram in requests of at most 512 KiB), kdmabuf (uring-dmabuf: the kernel's own \
+         dma-buf registered buffers, where the kernel has them): throughput as a ratio of ram's in the \
          same turns; CPU r, CPU d: the guest's CPU s per GiB, ram and direct; QEMU r, QEMU d: the \
          host's CPU s per GiB in QEMU, all its threads; req r, req d: requests the drive completed \
          per I/O; p2pmem, dir/p2pm: from the boot where vgpu's own P2PDMA pages back both direct \
@@ -607,7 +618,7 @@ const RAM_HUGE_SHARE: f64 = 0.5;
 fn markdown(rows: &[Value], registration: Option<&Value>) -> String {
     use std::fmt::Write as _;
     let mut md = String::from(
-        "| point | ram MiB/s | direct/ram | ram-again/ram | spread of direct (MiB/s) | bounce/ram | direct/bounce | CPU s/GiB ram | CPU s/GiB direct | CPU direct/ram | QEMU s/GiB ram | QEMU s/GiB direct | requests per I/O ram, direct |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| point | ram MiB/s | direct/ram | ram-again/ram | uring-dmabuf/ram | spread of direct (MiB/s) | bounce/ram | direct/bounce | CPU s/GiB ram | CPU s/GiB direct | CPU direct/ram | QEMU s/GiB ram | QEMU s/GiB direct | requests per I/O ram, direct |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let mut keys = grid(rows, "main")
         .into_iter()
@@ -620,11 +631,12 @@ fn markdown(rows: &[Value], registration: Option<&Value>) -> String {
             |v: Option<f64>, digits: usize| v.map_or("-".to_owned(), |v| format!("{v:.digits$}"));
         let _ = writeln!(
             md,
-            "| {op} {} qd{qd} | {} | {} | {} | {}-{} | {} | {} | {} | {} | {} | {} | {} | {}, {} |",
+            "| {op} {} qd{qd} | {} | {} | {} | {} | {}-{} | {} | {} | {} | {} | {} | {} | {} | {}, {} |",
             human(bs),
             num(get("ram", "mib_s"), 0),
             fmt_ratio(paired(&modes, "direct", "ram")),
             fmt_ratio(paired(&modes, "ram-again", "ram")),
+            fmt_ratio(paired(&modes, "uring-dmabuf", "ram")),
             num(get("direct", "mib_s_min"), 0),
             num(get("direct", "mib_s_max"), 0),
             fmt_ratio(paired(&modes, "bounce", "ram")),

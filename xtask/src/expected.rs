@@ -236,6 +236,7 @@ const VGPU_PROGRAMS: &[&str] = &[
     "fgds_cli",
     "fgds_crate",
     "fgds_python",
+    "uring_dmabuf",
     "vgpu_exporter",
     "smoke::vgpu_mmap_reaches_backing_file",
     "rig_control::gpu_unplug_and_replug",
@@ -258,6 +259,13 @@ pub const SKIPS: &[Skip] = &[
         reason: "the GPU is not bound to vfio-pci",
         why: "fgds_vfio imports vfio-pci's BAR dma-bufs: it runs with --iommu --exporter vfio \
               (cargo xtask matrix has those runs on debian:7.2 and debian:7.3)",
+    },
+    Skip {
+        cases: &["uring_dmabuf"],
+        when: &[When::Unpatched("io-uring-dmabuf"), When::Exporter(Exporter::Vgpu)],
+        reason: "this kernel has no dma-buf registered buffers",
+        why: "the kernel's own dma-buf registered buffers come with Begunkov's io_uring dma-buf \
+              series, in no released kernel: the rig builds it as build:7.2+io-uring-dmabuf",
     },
     Skip {
         cases: &["kmemleak"],

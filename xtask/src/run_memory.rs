@@ -4,7 +4,7 @@
 //! pages (QEMU asks for them with `MADV_HUGEPAGE`): a GPU backing of 4 KiB pages made every DMA
 //! into the "GPU" cost the host more than the same DMA into RAM, and drive images on the host's
 //! disk made the host write back what the guest wrote, slowing later runs at random
-//! (docs/performance.md, section 6).
+//! (docs/performance-history.md, section 6).
 //!
 //! As root, `cargo xtask` enters a mount namespace of its own when it starts
 //! ([`enter_private_namespace`]), and each run mounts a tmpfs with `huge=always` in its run

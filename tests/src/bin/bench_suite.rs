@@ -137,7 +137,7 @@ fn grid() -> CaseResult {
         .to_string_lossy()
         .into_owned();
     let (sizes, depths, repeat, seconds): (&[u64], &[u64], &str, f64) = if quick() {
-        (&[64 << 10, 1 << 20, 4 << 20], &[1, 32], "2", 0.5)
+        (&[4 << 10, 64 << 10, 1 << 20, 4 << 20], &[1, 32], "2", 0.5)
     } else if p2pmem_set() {
         (&[64 << 10, 1 << 20, 4 << 20, 16 << 20], &[1, 32], "5", 1.0)
     } else {
@@ -186,7 +186,7 @@ fn grid() -> CaseResult {
                 });
                 // `ram-again`, a second `ram`, is the control: its ratio to `ram` is the rig's
                 // noise at the point. `ram-split` where a request is larger than 512 KiB.
-                let modes: Vec<&str> = match &modes_override {
+                let mut modes: Vec<&str> = match &modes_override {
                     Some(list) => list.split(',').collect(),
                     None if p2pmem_set() => vec!["ram", "direct", "p2pmem"],
                     None if bs > 512 << 10 => {
@@ -194,6 +194,11 @@ fn grid() -> CaseResult {
                     }
                     None => vec!["ram", "direct", "ram-again", "bounce"],
                 };
+                // Where the kernel has its own dma-buf registered buffers (the comparator
+                // kernel), the same GPU memory through them, in the same turns.
+                if modes_override.is_none() && fgds::upstream::supported().is_ok() {
+                    modes.push("uring-dmabuf");
+                }
                 let rows = fgds_bench(&nvme, op, bs, qd, amount, offset, span, repeat, &modes)?;
                 for row in rows {
                     ktap::diag(format_args!("fgds-bench: {row}"));

@@ -21,7 +21,11 @@
 //!   slot per request in flight, so that a completed read is copied before its slot takes the
 //!   next request; at depth 1 the read and the copy take turns, as a synchronous `cuFileRead()`
 //!   in compatibility mode does;
-//! - `p2pmem`: into upstream P2PDMA memory, `/sys/bus/pci/devices/<bdf>/p2pmem/allocate`.
+//! - `p2pmem`: into upstream P2PDMA memory, `/sys/bus/pci/devices/<bdf>/p2pmem/allocate`;
+//! - `uring-dmabuf` (only when asked for): into the same GPU memory as `direct`, through the
+//!   kernel's own dma-buf registered buffers where the kernel has them (`fgds::upstream`,
+//!   Begunkov's series): the NVMe driver imports the dma-buf, `READ_FIXED`/`WRITE_FIXED` at
+//!   offsets into it, no fgds.
 
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd};
@@ -115,7 +119,7 @@ const MODES: &[&str] = &["ram", "direct", "bounce", "p2pmem"];
 /// requests capped at [`SPLIT_KB`] (`max_sectors_kb`; QEMU's NVMe with its default `mdts` 7
 /// takes no more), so that an I/O larger than that is split into several requests, and a
 /// `REQ_NOWAIT` one handed from io_uring to an io-wq worker first (the rig's old baseline).
-const EXTRA_MODES: &[&str] = &["bounce-serial", "ram-again", "ram-split"];
+const EXTRA_MODES: &[&str] = &["bounce-serial", "ram-again", "ram-split", "uring-dmabuf"];
 
 /// The request size `ram-split` caps the drive at, in KiB.
 const SPLIT_KB: u64 = 512;
@@ -215,7 +219,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         let region = region_len(opts, slot_count(opts, mode == "bounce"));
         let target = make_target(mode, opts, region * opts.threads, write)
             .with_context(|| format!("mode {mode} cannot be set up, so it cannot be measured"))?;
-        let (rings, fixed) = match make_rings(&target, opts, region) {
+        let (rings, fixed) = match make_rings(&target, opts, region, &file) {
             Ok(made) => made,
             Err(err) => bail!("{mode}: {err:#}"),
         };
@@ -225,6 +229,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             ),
             Ok(Fixed::Command) => eprintln!(
                 "bench: {mode}: fgds moves the data itself, through FGDS_URING_CMD_READ/WRITE"
+            ),
+            Ok(Fixed::Dmabuf) => eprintln!(
+                "bench: {mode}: the NVMe driver imports the dma-buf (the kernel's dma-buf buffers)"
             ),
             Ok(Fixed::Pinned) => {}
         }
@@ -376,6 +383,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "fixed_buffers": fixed.is_ok(),
             "fixed_buffer_kind": fixed.as_ref().ok().map(|kind| match kind {
                 Fixed::Pinned => "pinned",
+                Fixed::Dmabuf => "kernel-dmabuf",
                 Fixed::Command => "fgds-io-commands",
             }),
             "fixed_buffers_refused": fixed.err(),
@@ -450,6 +458,8 @@ enum Target {
         spare: bool,
     },
     P2pmem(Anon),
+    /// GPU memory the NVMe driver imports (the kernel's dma-buf registered buffers).
+    UringDmabuf { dmabuf: crate::Dmabuf },
 }
 
 /// How `bounce` copies between RAM and the GPU: through the exporter's CPU mapping of the
@@ -473,6 +483,8 @@ impl Target {
         match self {
             Target::Ram(a) | Target::P2pmem(a) | Target::Bounce { ram: a, .. } => a.ptr,
             Target::Direct { buffer, .. } => buffer.as_ptr(),
+            // Requests name offsets into the dma-buf, from 0.
+            Target::UringDmabuf { .. } => std::ptr::null_mut(),
         }
     }
 
@@ -489,7 +501,9 @@ impl Target {
                     BounceCopy::Cuda { .. } => "cuda",
                 },
             }),
-            Target::Direct { .. } | Target::P2pmem(_) => serde_json::json!({}),
+            Target::Direct { .. } | Target::P2pmem(_) | Target::UringDmabuf { .. } => {
+                serde_json::json!({})
+            }
         }
     }
 }
@@ -623,6 +637,12 @@ fn make_target(mode: &str, opts: &Options, len: usize, write: bool) -> anyhow::R
             })
         }
         "p2pmem" => p2pmem(opts, len.next_multiple_of(HUGE_PAGE)).map(Target::P2pmem),
+        "uring-dmabuf" => {
+            fgds::upstream::supported().map_err(|not| anyhow::format_err!("{}", not.reason))?;
+            // The same GPU memory as `direct`'s: whole 2 MiB.
+            let (_, dmabuf) = crate::resolve(&opts.source, len.next_multiple_of(HUGE_PAGE) as u64)?;
+            Ok(Target::UringDmabuf { dmabuf })
+        }
         _ => unreachable!("modes are checked in run"),
     }
 }
@@ -893,6 +913,9 @@ enum Fixed {
     /// `direct`: no fixed buffer; fgds moves the data itself (`FGDS_URING_CMD_READ`/`WRITE`),
     /// requests naming the registration's token and an offset into it.
     Command,
+    /// `uring-dmabuf`: the dma-buf registered as the kernel's dma-buf buffer 0; requests name
+    /// byte offsets into it.
+    Dmabuf,
 }
 
 /// One io_uring per thread, each with its part of the target registered as its fixed buffer
@@ -903,11 +926,27 @@ fn make_rings(
     target: &Target,
     opts: &Options,
     region: usize,
+    file: &File,
 ) -> anyhow::Result<(Vec<Ring>, Result<Fixed, String>)> {
     let mut rings = (0..opts.threads)
         .map(|_| IoUring::<Entry128>::builder().build(opts.queue_depth.next_power_of_two() as u32))
         .collect::<std::io::Result<Vec<_>>>()
         .context("io_uring_setup")?;
+    if let Target::UringDmabuf { dmabuf } = target {
+        // The mode is the registration: no `--fixed-buffers off` for it.
+        for ring in &rings {
+            ring.submitter()
+                .register_buffers_sparse(1)
+                .context("a sparse io_uring buffer table")?;
+            fgds::upstream::register_in(ring, 0, dmabuf.fd(), file.as_fd()).map_err(|err| {
+                anyhow::format_err!(
+                    "the kernel did not register the dma-buf for the file: {}",
+                    fgds::upstream::refusal(&err).reason
+                )
+            })?;
+        }
+        return Ok((rings, Ok(Fixed::Dmabuf)));
+    }
     if opts.fixed_buffers == FixedBuffers::Off {
         return Ok((rings, Err("--fixed-buffers off".to_owned())));
     }
@@ -1197,7 +1236,7 @@ fn thread_io(
         };
         // fgds's commands address the registration from 0, its start.
         let base = match io.fixed {
-            Some(Fixed::Command) => 0,
+            Some(Fixed::Command | Fixed::Dmabuf) => 0,
             _ => io.target.io_ptr() as usize,
         };
         let ptr = (base + at(slot)) as *mut u8;

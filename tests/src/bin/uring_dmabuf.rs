@@ -1,0 +1,225 @@
+//! The kernel's own dma-buf registered buffers (Begunkov's io_uring dma-buf series; the rig's
+//! `build:7.2+io-uring-dmabuf`), through the crate's upstream path, with fgds taking no part:
+//! data both ways into vgpu memory (checked by the host), the crate's [`fgds::GpuFile`]
+//! reporting the path, a read held in the drive while vgpu revokes the memory (the host must
+//! find vgpu's sentinel, never the read's data), and a drive error. The program skips as a
+//! whole on kernels without the series (the expected-skip table says where).
+//!
+//! What fails here in the series is written up in docs/upstream.md.
+
+#[path = "../fgds_common.rs"]
+mod common;
+#[path = "../fgds_fault_common.rs"]
+mod fault;
+
+use std::os::fd::AsFd;
+use std::os::unix::fs::FileExt;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use common::MIB;
+use fgds::{Direction, Transfer, TransferConfig};
+use fgds_tests::guest::AlignedBuf;
+use fgds_tests::ktap::{self, Case, CaseResult};
+use fgds_tests::{ctl, pattern};
+
+const SCRATCH: u64 = 200 * MIB;
+const SEED_SENTINEL: u64 = 0x5550_5354;
+const SEED_READ: u64 = 0x5550_5244;
+const TAG: &str = "uring_dmabuf";
+const HOLD: Duration = Duration::from_secs(2);
+
+fn main() {
+    fgds_tests::guest::skip_unless_vgpu();
+    if let Err(not) = fgds::upstream::supported() {
+        println!("KTAP version 1\n1..0 # SKIP {}", not.reason);
+        std::process::exit(4);
+    }
+    ktap::run(&[
+        Case {
+            name: "data_both_ways_without_fgds",
+            run: data_both_ways_without_fgds,
+        },
+        Case {
+            name: "gpu_file_takes_and_names_the_kernel_path",
+            run: gpu_file_takes_and_names_the_kernel_path,
+        },
+        Case {
+            name: "held_read_never_lands_after_revocation",
+            run: held_read_never_lands_after_revocation,
+        },
+        Case {
+            name: "drive_error_is_an_error",
+            run: drive_error_is_an_error,
+        },
+    ])
+}
+
+fn transfer() -> anyhow::Result<Transfer> {
+    Ok(Transfer::new(TransferConfig {
+        chunk_size: 512 * 1024,
+        queue_depth: 4,
+    })?)
+}
+
+/// fgds's registrations on the GPU: none may appear while the kernel's path runs.
+fn fgds_buffers() -> anyhow::Result<u64> {
+    common::sysfs_u64("buffers")
+}
+
+/// A read of the drive's pattern into vgpu memory and a write of it back, by the NVMe driver
+/// importing the dma-buf: the host finds the bytes in GPU memory, the drive holds them after
+/// the write, and fgds registered nothing.
+fn data_both_ways_without_fgds() -> CaseResult {
+    const LEN: u64 = 4 * MIB;
+    fault::require_idle()?;
+    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, 2 * LEN)?;
+    fault::vgpu_fill(bar_off, 2 * LEN, SEED_SENTINEL)?;
+    let nvme = common::nvme(true)?;
+    let mut t = transfer()?;
+    // Into the second half of the dma-buf: its offsets are the buffer's addresses.
+    let at = LEN as usize;
+    let n = t.run_dmabuf(Direction::Read, dmabuf.as_fd(), at..at + LEN as usize, &nvme, SCRATCH)?;
+    ensure!(n == LEN as usize, "the read moved {n} of {LEN} bytes");
+    ensure!(
+        t.last_run_path() == Some(fgds::TransferPath::KernelDmabuf),
+        "the read went {:?}",
+        t.last_run_path()
+    );
+    ctl::gpu_check(bar_off + LEN, LEN, SEED_READ).context("GPU memory after the read")?;
+    ctl::gpu_check(bar_off, LEN, SEED_SENTINEL).context("the half the read was not given")?;
+    ensure!(fgds_buffers()? == 0, "fgds holds a registration: the path was not the kernel's");
+    let n = t.run_dmabuf(
+        Direction::Write,
+        dmabuf.as_fd(),
+        at..at + LEN as usize,
+        &nvme,
+        SCRATCH + LEN,
+    )?;
+    ensure!(n == LEN as usize, "the write moved {n} of {LEN} bytes");
+    let mut back = AlignedBuf::new(LEN as usize)?;
+    nvme.read_exact_at(back.as_mut_slice(), SCRATCH + LEN)?;
+    if let Some(at) = pattern::first_mismatch(SEED_READ, 0, back.as_slice()) {
+        bail!("the drive's byte {at:#x} differs after the write from the dma-buf");
+    }
+    drop(t);
+    drop(dmabuf);
+    fault::wait_vgpu_buffers_gone("after the case: the NVMe driver let the dma-buf go")?;
+    ktap::pass()
+}
+
+/// [`fgds::GpuFile`] takes the kernel's path for a raw namespace and names it; for a file on
+/// ext4 it says why not (the series takes block devices only) and goes through fgds.
+fn gpu_file_takes_and_names_the_kernel_path() -> CaseResult {
+    const LEN: u64 = 2 * MIB;
+    fault::require_idle()?;
+    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    let registry = fgds::Registry::new();
+    let mem = registry.dmabuf_memory(dmabuf.as_fd(), 0, LEN, None)?;
+    let nvme = fgds_tests::guest::nvme_path()?;
+    let file = fgds::GpuFile::open(&nvme, "r")?;
+    let done = file.read(&mem, LEN, SCRATCH, 0, false)?;
+    ktap::diag(format_args!("raw namespace: {done:?}"));
+    ensure!(
+        done.path == fgds::IoPath::UringDmabuf && done.reason.is_none() && done.bytes == LEN,
+        "a read from the raw namespace went {done:?}, want uring-dmabuf"
+    );
+    ctl::gpu_check(bar_off, LEN, SEED_READ).context("GPU memory after the read")?;
+    // A file on the ext4 namespace: the kernel's path refuses it, by name.
+    let dir = std::env::var_os("FGDS_EXT4").context("the rig provides no ext4 (FGDS_EXT4)")?;
+    let path = std::path::Path::new(&dir).join("uring_dmabuf.bin");
+    let mut data = AlignedBuf::new(LEN as usize)?;
+    pattern::fill(SEED_SENTINEL ^ 1, 0, data.as_mut_slice());
+    std::fs::write(&path, data.as_slice())?;
+    let file = fgds::GpuFile::open(&path, "r")?;
+    let done = file.read(&mem, LEN, 0, 0, true)?;
+    ktap::diag(format_args!("ext4 file: {done:?}"));
+    let reason = done.reason.clone().unwrap_or_default();
+    ensure!(
+        done.path != fgds::IoPath::UringDmabuf && reason.contains("uring-dmabuf"),
+        "a read from an ext4 file went {done:?}: it must not be uring-dmabuf, and must say why not"
+    );
+    ctl::gpu_check(bar_off, LEN, SEED_SENTINEL ^ 1).context("GPU memory after the file's read")?;
+    std::fs::remove_file(&path)?;
+    drop((file, mem, registry, dmabuf));
+    fault::wait_counters_zero("after the case")?;
+    fault::wait_vgpu_buffers_gone("after the case")?;
+    ktap::pass()
+}
+
+/// A read held in the drive while vgpu revokes the dma-buf: the series adds a fence at
+/// invalidation that signals when the last request using the map completes, so vgpu's
+/// revocation must not return while the read is held; once vgpu reuses the memory, nothing of
+/// the read lands there.
+fn held_read_never_lands_after_revocation() -> CaseResult {
+    const LEN: u64 = 4 * MIB;
+    fault::require_idle()?;
+    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    let nvme = common::nvme(false)?;
+    // A first read maps the dma-buf, so that the held one uses the map.
+    let mut t = transfer()?;
+    t.run_dmabuf(Direction::Read, dmabuf.as_fd(), 0..4096, &nvme, SCRATCH)?;
+    let bp = common::Breakpoint::arm(TAG)?;
+    let reader = {
+        let fd = dmabuf.try_clone()?;
+        std::thread::spawn(move || {
+            t.run_dmabuf(Direction::Read, fd.as_fd(), 0..LEN as usize, &nvme, SCRATCH)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    ensure!(!reader.is_finished(), "the read was not held by the breakpoint");
+    fault::host_log("uring_dmabuf: vgpu revokes a dma-buf with a read held in the drive")?;
+    let started = Instant::now();
+    let revoker = std::thread::spawn(move || common::revoke(bar_off));
+    std::thread::sleep(HOLD);
+    let returned_early = revoker.is_finished();
+    let resumed = started.elapsed();
+    bp.resume()?;
+    let read = fault::join(reader, "read")?;
+    fault::join(revoker, "revoked")?.context("revoke")?;
+    ktap::diag(format_args!("the held read ended with {read:?}"));
+    ensure!(
+        !returned_early,
+        "vgpu's revocation returned while a read into the dma-buf was held in the drive: the \
+         exporter got its memory back with DMA still to come"
+    );
+    fault::check_held_revocation(bar_off, resumed, &read)?;
+    fault::reuse_and_check(bar_off, LEN, SEED_SENTINEL)?;
+    drop(dmabuf);
+    fault::wait_vgpu_buffers_gone("after the case: the NVMe driver let the dma-buf go")?;
+    ktap::pass()
+}
+
+/// A read over the drive's failing sector ends with EIO, not with success or a hang.
+fn drive_error_is_an_error() -> CaseResult {
+    const LEN: u64 = MIB;
+    fault::require_idle()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, _) = common::alloc(&vgpu, LEN)?;
+    let nvme = common::nvme(false)?;
+    let mut t = transfer()?;
+    let err = match t.run_dmabuf(
+        Direction::Read,
+        dmabuf.as_fd(),
+        0..LEN as usize,
+        &nvme,
+        pattern::fault::READ_ALWAYS,
+    ) {
+        Ok(n) => bail!("a read over the failing sector moved {n} bytes"),
+        Err(err) => err,
+    };
+    ktap::diag(format_args!("read over the failing sector: {err}"));
+    ensure!(err.errno() == libc::EIO, "want EIO, got {err}");
+    drop(t);
+    drop(dmabuf);
+    fault::wait_vgpu_buffers_gone("after the case")?;
+    ktap::pass()
+}
