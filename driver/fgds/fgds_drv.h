@@ -9,6 +9,7 @@
 #include <linux/bits.h>
 #include <linux/bvec.h>
 #include <linux/cdev.h>
+#include <linux/delay.h>
 #include <linux/device.h>
 #include <linux/dma-direction.h>
 #include <linux/dma-fence.h>
@@ -355,6 +356,26 @@ extern unsigned int fgds_max_buffers_per_file;
 extern unsigned long long fgds_max_bytes_per_gpu;
 extern unsigned long long fgds_max_bytes_per_user;
 extern unsigned int fgds_revoke_timeout_ms;
+
+#ifdef CONFIG_FAULT_INJECTION
+extern unsigned int fgds_race_window_us;
+
+/*
+ * Widens a window that a race needs, where a test asked for it (race_window_us),
+ * on kernels built for fault injection only.
+ */
+static inline void fgds_race_window(void)
+{
+	unsigned int us = READ_ONCE(fgds_race_window_us);
+
+	if (us)
+		usleep_range(us, us + us / 4 + 1);
+}
+#else
+static inline void fgds_race_window(void)
+{
+}
+#endif
 extern int fgds_pages;
 
 extern struct address_space *fgds_mapping;

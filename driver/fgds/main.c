@@ -54,6 +54,13 @@ module_param_named(revoke_timeout_ms, fgds_revoke_timeout_ms, uint, 0644);
 MODULE_PARM_DESC(revoke_timeout_ms,
 		 "After how long a GPU teardown waiting for I/O logs who still holds its pages (default 10000); it keeps waiting: memory is never given back under a pin");
 
+#ifdef CONFIG_FAULT_INJECTION
+unsigned int fgds_race_window_us;
+module_param_named(race_window_us, fgds_race_window_us, uint, 0644);
+MODULE_PARM_DESC(race_window_us,
+		 "Kernels with fault injection only: how long UNREG of a registration waits after giving up the reservation lock, before it frees the registration, so that tests can race an invalidation into that window (default 0)");
+#endif
+
 static const char * const fgds_pages_names[] = {
 	[FGDS_PAGES_AUTO] = "auto",
 	[FGDS_PAGES_P2PDMA] = "p2pdma",

@@ -399,6 +399,8 @@ void fgds_buf_let_go(struct fgds_buf *buf)
 		fgds_buf_reap(buf);
 	}
 	dma_resv_unlock(resv);
+	/* Until fgds_buf_free() detaches, an invalidation may still come. */
+	fgds_race_window();
 	if (quiet) {
 		wake_up_all(&buf->gpu->quiet_wq);
 		fgds_buf_free(buf);

@@ -861,6 +861,10 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
     const ROUNDS: u32 = 600;
     const BUDGET: Duration = Duration::from_secs(40);
     fault::require_idle()?;
+    // On kernels with fault injection, fgds widens the window the bug needed (between the
+    // UNREG's unlock and the free) to 2 ms, so that a revocation sweeping across it lands
+    // there in many rounds, not by chance.
+    let _window = RaceWindow::set(2000)?;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let started = Instant::now();
@@ -1008,6 +1012,30 @@ fn unreg_of_a_used_registration_racing_an_invalidation() -> CaseResult {
     fault::wait_counters_zero("after the races")?;
     fault::wait_vgpu_buffers_gone("after the races: fgds let every buffer go")?;
     ktap::pass()
+}
+
+/// fgds's `race_window_us` (kernels with fault injection only) for as long as it lives; `set`
+/// does nothing where the parameter does not exist.
+struct RaceWindow(Option<&'static str>);
+
+impl RaceWindow {
+    fn set(us: u32) -> anyhow::Result<RaceWindow> {
+        const PARAM: &str = "/sys/module/fgds/parameters/race_window_us";
+        if !std::path::Path::new(PARAM).exists() {
+            return Ok(RaceWindow(None));
+        }
+        std::fs::write(PARAM, us.to_string()).with_context(|| format!("write {PARAM}"))?;
+        ktap::diag(format_args!("race window: {us} us ({PARAM})"));
+        Ok(RaceWindow(Some(PARAM)))
+    }
+}
+
+impl Drop for RaceWindow {
+    fn drop(&mut self) {
+        if let Some(param) = self.0 {
+            let _ = std::fs::write(param, "0");
+        }
+    }
 }
 
 /// A pipe: (read end, write end).
