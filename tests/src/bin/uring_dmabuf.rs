@@ -52,7 +52,10 @@ fn main() {
             name: "drive_error_is_an_error",
             run: drive_error_is_an_error,
         },
-        // Last: on the series as posted it leaves the dma-buf held for good.
+        Case {
+            name: "clearing_o_direct_after_registration",
+            run: clearing_o_direct_after_registration,
+        },
         Case {
             name: "split_request_lets_the_dmabuf_go",
             run: split_request_lets_the_dmabuf_go,
@@ -274,5 +277,59 @@ fn split_request_lets_the_dmabuf_go() -> CaseResult {
          holds the dma-buf (the map's reference taken again at the re-issue)",
     )?;
     ktap::diag(format_args!("the dma-buf was let go {took:?} after it was closed"));
+    ktap::pass()
+}
+
+/// The registration checks that the file is open with O_DIRECT; `fcntl(F_SETFL)` can clear it
+/// afterwards. A read through the registered buffer must then fail, or bring the drive's
+/// bytes: never succeed with GPU memory untouched (the buffered block-device path does not
+/// know the dma-buf iterator).
+fn clearing_o_direct_after_registration() -> CaseResult {
+    const LEN: u64 = MIB;
+    fault::require_idle()?;
+    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    let nvme = common::nvme(false)?;
+    // The crate refuses a file without O_DIRECT: the ring is driven by hand here.
+    let mut ring = io_uring::IoUring::<io_uring::squeue::Entry128>::builder().build(4)?;
+    ring.submitter().register_buffers_sparse(1)?;
+    fgds::upstream::register_in(&ring, 0, dmabuf.as_fd(), nvme.as_fd())?;
+    let read = |ring: &mut io_uring::IoUring<io_uring::squeue::Entry128>| -> anyhow::Result<i32> {
+        let sqe = io_uring::opcode::ReadFixed::new(
+            io_uring::types::Fd(std::os::fd::AsRawFd::as_raw_fd(&nvme)),
+            std::ptr::null_mut(),
+            LEN as u32,
+            0,
+        )
+        .offset(SCRATCH)
+        .build();
+        // SAFETY: the buffer is the registered dma-buf (offset 0), which outlives the ring.
+        unsafe { ring.submission().push(&sqe.into()) }
+            .map_err(|_| anyhow::format_err!("submission queue full"))?;
+        ring.submit_and_wait(1)?;
+        ring.completion()
+            .next()
+            .map(|c| c.result())
+            .context("no completion")
+    };
+    // Used while the file has O_DIRECT: the dma-buf is mapped.
+    let first = read(&mut ring)?;
+    ensure!(first == LEN as i32, "the read with O_DIRECT gave {first}");
+    fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    let flags = rustix::fs::fcntl_getfl(&nvme)?;
+    rustix::fs::fcntl_setfl(&nvme, flags - rustix::fs::OFlags::DIRECT)?;
+    let res = read(&mut ring)?;
+    ktap::diag(format_args!("READ_FIXED after O_DIRECT was cleared: {res}"));
+    if res > 0 {
+        ctl::gpu_check(bar_off, res as u64 & !7, SEED_READ).context(
+            "a read through the dma-buf buffer succeeded after O_DIRECT was cleared, yet GPU \
+             memory does not hold the drive's bytes (v3 checks O_DIRECT only at registration)",
+        )?;
+    }
+    drop(ring);
+    drop(nvme);
+    drop(dmabuf);
+    fault::wait_vgpu_buffers_gone("after the case")?;
     ktap::pass()
 }
