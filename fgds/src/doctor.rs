@@ -250,7 +250,10 @@ pub fn examine(root: &Path, who: &Identity, cuda: Result<Vec<CudaDevice>, String
     let uring_dmabuf = if root == Path::new("/") {
         crate::upstream::supported().map_err(|not| not.reason)
     } else {
-        Err(format!("not asked: {} is not the running system", root.display()))
+        Err(format!(
+            "not asked: {} is not the running system",
+            root.display()
+        ))
     };
     let mut report = Report {
         kernel,

@@ -451,10 +451,7 @@ impl GpuFile {
         let (fd, start) = mem.dmabuf().ok_or_else(|| {
             NotDirect::new(
                 libc::EOPNOTSUPP,
-                format!(
-                    "{} is not a dma-buf this process holds",
-                    mem.describe()
-                ),
+                format!("{} is not a dma-buf this process holds", mem.describe()),
             )
         })?;
         if let Err(not) = &self.direct {
@@ -485,7 +482,10 @@ impl GpuFile {
         len: u64,
         file_offset: u64,
     ) -> std::result::Result<(), Refusal> {
-        let direct = self.direct.as_ref().expect("kernel_plan checked the O_DIRECT fd");
+        let direct = self
+            .direct
+            .as_ref()
+            .expect("kernel_plan checked the O_DIRECT fd");
         let start = usize::try_from(start)
             .map_err(|_| Refusal::During(Error::Invalid("offset past the address space".into())))?;
         let mut transfer = Transfer::new(TransferConfig::DEFAULT).map_err(Refusal::During)?;

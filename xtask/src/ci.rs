@@ -151,18 +151,16 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
     let python = stage(&mut stages, "python package", || {
         crate::python::build_wheel().and_then(|wheel| crate::python::check(&wheel))
     });
-    outcomes.push(
-        match python {
-            Ok(()) => Outcome {
-                name: "ci::python-check".to_owned(),
-                verdict: Verdict::Pass,
-            },
-            Err(err) => Outcome {
-                name: "ci::python-check".to_owned(),
-                verdict: Verdict::Fail(format!("{err:#}")),
-            },
+    outcomes.push(match python {
+        Ok(()) => Outcome {
+            name: "ci::python-check".to_owned(),
+            verdict: Verdict::Pass,
         },
-    );
+        Err(err) => Outcome {
+            name: "ci::python-check".to_owned(),
+            verdict: Verdict::Fail(format!("{err:#}")),
+        },
+    });
     eprintln!("ci: checkpatch and sparse on driver/");
     let checks = stage(&mut stages, "checkpatch, sparse", || {
         check_driver_outcomes(&DriverOptions {
@@ -232,7 +230,9 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
     let fuzzed = stage(&mut stages, "fuzzer", || crate::fuzz::run(&fuzz));
     outcomes.extend(or_failure("fuzz::run", fuzzed));
     eprintln!("ci: rig self-test");
-    let selftested = stage(&mut stages, "rig self-test", || selftest::run("debian:6.12"));
+    let selftested = stage(&mut stages, "rig self-test", || {
+        selftest::run("debian:6.12")
+    });
     outcomes.extend(or_failure("rig-selftest::run", selftested));
     print_costs(&stages, &programs, started.elapsed().as_secs_f64());
     let passed = report::print(outcomes);

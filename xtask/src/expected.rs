@@ -262,7 +262,10 @@ pub const SKIPS: &[Skip] = &[
     },
     Skip {
         cases: &["uring_dmabuf"],
-        when: &[When::Unpatched("io-uring-dmabuf"), When::Exporter(Exporter::Vgpu)],
+        when: &[
+            When::Unpatched("io-uring-dmabuf"),
+            When::Exporter(Exporter::Vgpu),
+        ],
         reason: "this kernel has no dma-buf registered buffers",
         why: "the kernel's own dma-buf registered buffers come with Begunkov's io_uring dma-buf \
               series, in no released kernel: the rig builds it as build:7.2+io-uring-dmabuf",

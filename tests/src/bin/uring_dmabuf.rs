@@ -89,7 +89,13 @@ fn data_both_ways_without_fgds() -> CaseResult {
     let mut t = transfer()?;
     // Into the second half of the dma-buf: its offsets are the buffer's addresses.
     let at = LEN as usize;
-    let n = t.run_dmabuf(Direction::Read, dmabuf.as_fd(), at..at + LEN as usize, &nvme, SCRATCH)?;
+    let n = t.run_dmabuf(
+        Direction::Read,
+        dmabuf.as_fd(),
+        at..at + LEN as usize,
+        &nvme,
+        SCRATCH,
+    )?;
     ensure!(n == LEN as usize, "the read moved {n} of {LEN} bytes");
     ensure!(
         t.last_run_path() == Some(fgds::TransferPath::KernelDmabuf),
@@ -98,7 +104,10 @@ fn data_both_ways_without_fgds() -> CaseResult {
     );
     ctl::gpu_check(bar_off + LEN, LEN, SEED_READ).context("GPU memory after the read")?;
     ctl::gpu_check(bar_off, LEN, SEED_SENTINEL).context("the half the read was not given")?;
-    ensure!(fgds_buffers()? == 0, "fgds holds a registration: the path was not the kernel's");
+    ensure!(
+        fgds_buffers()? == 0,
+        "fgds holds a registration: the path was not the kernel's"
+    );
     let n = t.run_dmabuf(
         Direction::Write,
         dmabuf.as_fd(),
@@ -183,7 +192,10 @@ fn held_read_never_lands_after_revocation() -> CaseResult {
         })
     };
     std::thread::sleep(Duration::from_millis(500));
-    ensure!(!reader.is_finished(), "the read was not held by the breakpoint");
+    ensure!(
+        !reader.is_finished(),
+        "the read was not held by the breakpoint"
+    );
     fault::host_log("uring_dmabuf: vgpu revokes a dma-buf with a read held in the drive")?;
     let started = Instant::now();
     let revoker = std::thread::spawn(move || common::revoke(bar_off));
@@ -266,7 +278,13 @@ fn split_request_lets_the_dmabuf_go() -> CaseResult {
         chunk_size: LEN as usize,
         queue_depth: 1,
     })?;
-    let n = t.run_dmabuf(Direction::Read, dmabuf.as_fd(), 0..LEN as usize, &nvme, SCRATCH)?;
+    let n = t.run_dmabuf(
+        Direction::Read,
+        dmabuf.as_fd(),
+        0..LEN as usize,
+        &nvme,
+        SCRATCH,
+    )?;
     ensure!(n == LEN as usize, "the read moved {n} of {LEN} bytes");
     ctl::gpu_check(bar_off, LEN, SEED_READ).context("GPU memory after the split read")?;
     drop(t);
@@ -276,7 +294,9 @@ fn split_request_lets_the_dmabuf_go() -> CaseResult {
         "after a split request: the ring and the dma-buf are closed, and the NVMe driver still \
          holds the dma-buf (the map's reference taken again at the re-issue)",
     )?;
-    ktap::diag(format_args!("the dma-buf was let go {took:?} after it was closed"));
+    ktap::diag(format_args!(
+        "the dma-buf was let go {took:?} after it was closed"
+    ));
     ktap::pass()
 }
 

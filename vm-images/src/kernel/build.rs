@@ -221,12 +221,7 @@ fn change_patches(name: &str, series: &str) -> anyhow::Result<Vec<Patch>> {
 /// links to the unpacked tree (GNU patch replaces a file it changes, so the original stays as
 /// it was), made again from scratch unless a marker says it is complete. Beside the build's
 /// root, which a fresh configuration empties.
-fn patched_tree(
-    src: &Path,
-    root: &Path,
-    patches: &[Patch],
-    log: &Path,
-) -> anyhow::Result<PathBuf> {
+fn patched_tree(src: &Path, root: &Path, patches: &[Patch], log: &Path) -> anyhow::Result<PathBuf> {
     let dir = with_suffix(root, ".src");
     let (tree, marker) = (dir.join("linux"), dir.join(".fgds-patched"));
     if marker.exists() && tree.join("Makefile").exists() {
@@ -257,7 +252,10 @@ fn patched_tree(
             )
         })?;
     }
-    let names: Vec<_> = patches.iter().map(|p| p.path.display().to_string()).collect();
+    let names: Vec<_> = patches
+        .iter()
+        .map(|p| p.path.display().to_string())
+        .collect();
     fs::write(&marker, names.join("+"))
         .with_context(|| format!("cannot write {}", marker.display()))?;
     Ok(tree)

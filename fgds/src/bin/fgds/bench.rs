@@ -459,7 +459,9 @@ enum Target {
     },
     P2pmem(Anon),
     /// GPU memory the NVMe driver imports (the kernel's dma-buf registered buffers).
-    UringDmabuf { dmabuf: crate::Dmabuf },
+    UringDmabuf {
+        dmabuf: crate::Dmabuf,
+    },
 }
 
 /// How `bounce` copies between RAM and the GPU: through the exporter's CPU mapping of the
