@@ -864,7 +864,7 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
     // On kernels with fault injection, fgds widens the window the bug needed (between the
     // UNREG's unlock and the free) to 2 ms, so that a revocation sweeping across it lands
     // there in many rounds, not by chance.
-    let _window = RaceWindow::set(2000)?;
+    let window = RaceWindow::set(2000)?;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let started = Instant::now();
@@ -873,10 +873,14 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
     // Rounds where the UNREG ended before the revocation began, began after it ended, or
     // neither (the two overlapped: the window the bug needed).
     let (mut before, mut after, mut overlapped) = (0u32, 0u32, 0u32);
-    let seen_both = |b: u32, a: u32, o: u32| b > 0 && a > 0 && o > 0;
+    // Rounds where the revocation began while the UNREG ran: with the race window, inside it.
+    let mut during = 0u32;
+    let windowed = window.0.is_some();
+    let seen_both =
+        |b: u32, a: u32, o: u32, d: u32| b > 0 && a > 0 && o > 0 && (!windowed || d > 0);
     while rounds < ROUNDS
         && started.elapsed() < BUDGET
-        && (rounds < MIN_ROUNDS || !seen_both(before, after, overlapped))
+        && (rounds < MIN_ROUNDS || !seen_both(before, after, overlapped, during))
     {
         rounds += 1;
         let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
@@ -905,20 +909,42 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
             })
             .collect();
         std::thread::sleep(Duration::from_millis(5));
-        let revoker = std::thread::spawn(move || {
+        // Every other round the UNREG starts first and the revocation follows it; the second
+        // starts a little later each time: 50 us steps up to 4 ms, past a revocation that
+        // waits for a read in flight.
+        let unreg_first = rounds % 2 == 1;
+        let delay = Duration::from_micros(u64::from((rounds / 2) % 80) * 50);
+        let spin = |d: Duration| {
+            let from = Instant::now();
+            while from.elapsed() < d {
+                std::hint::spin_loop();
+            }
+        };
+        let timed_unreg = || {
+            let began = Instant::now();
+            (common::unreg(&node, other), began, Instant::now())
+        };
+        let timed_revoke = || {
             let began = Instant::now();
             common::revoke(bar_off).map(|()| (began, Instant::now()))
+        };
+        let ((unreg, unreg_began, unreg_ended), revoked) = std::thread::scope(|scope| {
+            if unreg_first {
+                let unreg = scope.spawn(timed_unreg);
+                spin(delay);
+                let revoked = timed_revoke();
+                (unreg.join().expect("UNREG thread"), revoked)
+            } else {
+                let revoke = scope.spawn(timed_revoke);
+                spin(delay);
+                let unreg = timed_unreg();
+                (unreg, revoke.join().expect("revoke thread"))
+            }
         });
-        // Sweep the UNREG across the revocation, a little later each round: 50 us steps up to
-        // 4 ms, past a revocation that waits for a read in flight.
-        let spin = Instant::now();
-        while spin.elapsed() < Duration::from_micros(u64::from(rounds % 80) * 50) {
-            std::hint::spin_loop();
+        let (revoke_began, revoke_ended) = revoked.context("revoke")?;
+        if revoke_began > unreg_began && revoke_began < unreg_ended {
+            during += 1;
         }
-        let unreg_began = Instant::now();
-        let unreg = common::unreg(&node, other);
-        let unreg_ended = Instant::now();
-        let (revoke_began, revoke_ended) = fault::join(revoker, "revoked")?.context("revoke")?;
         if unreg_ended < revoke_began {
             before += 1;
         } else if unreg_began > revoke_ended {
@@ -937,13 +963,19 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
     ktap::diag(format_args!(
         "{rounds} rounds, {reads} reads through the busy registration; the UNREG ended before \
          the revocation began in {before}, began after it ended in {after}, overlapped it in \
-         {overlapped}"
+         {overlapped}; the revocation began while the UNREG ran in {during}"
     ));
     // A race proves something only if it went both ways, and through the window between.
     ensure!(
-        seen_both(before, after, overlapped),
+        seen_both(before, after, overlapped, during),
         "in {rounds} rounds the UNREG never came on both sides of the revocation and across it \
-         ({before} before, {after} after, {overlapped} overlapping)"
+         ({before} before, {after} after, {overlapped} overlapping, {during} with the \
+         revocation beginning during the UNREG{})",
+        if windowed {
+            ", which the race window needs"
+        } else {
+            ""
+        }
     );
     drop(node);
     fault::wait_counters_zero("after the races")?;
