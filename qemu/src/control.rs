@@ -390,10 +390,20 @@ pub fn gpu_check(backing: &Path, bytes: u64, args: &str) -> anyhow::Result<Strin
         })?;
         if let Some(i) = fgds_tests::pattern::first_mismatch(seed, at + done, chunk) {
             let byte = offset + done + i as u64;
+            // The 8-byte word there, found and wanted: what was written instead says who wrote.
+            let word = i & !7;
+            let found = chunk
+                .get(word..word + 8)
+                .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
+            let mut wanted = [0u8; 8];
+            fgds_tests::pattern::fill(seed, at + done + word as u64, &mut wanted);
             anyhow::bail!(
                 "the GPU's memory differs from the pattern of seed {seed:#x} at BAR2 byte \
-                 {byte:#x} ({:#x} into the {len:#x} bytes checked from {offset:#x})",
-                done + i as u64
+                 {byte:#x} ({:#x} into the {len:#x} bytes checked from {offset:#x}): found \
+                 {:#018x}, want {:#018x}",
+                done + i as u64,
+                found.unwrap_or(0),
+                u64::from_le_bytes(wanted)
             );
         }
         done += n as u64;

@@ -74,7 +74,7 @@ pub const CI_RUNS: [CiRun; 6] = [
         pages: "auto",
         exporter: "vfio",
         iommu: true,
-        only: &["fgds_vfio", "fgds_python.py"],
+        only: &["fgds_vfio", "fgds_python"],
         proves: "vfio-pci as the exporter (an exporter nobody here wrote), under the vIOMMU",
     },
     CiRun {

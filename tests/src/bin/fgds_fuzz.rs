@@ -1520,7 +1520,8 @@ fn op_in_child(w: &Worker, rng: &mut Rng, mremap: bool) {
         && !mapped.dontfork.load(SeqCst)
         && !mapped.split.load(SeqCst);
     let (from, len) = range_in(mapped, rng, 256 * 1024);
-    let drive_off = rng.below(pattern::NVME_PATTERN_BYTES / PAGE - 256) * PAGE;
+    // The child's read lands in the same GPU memory: from where every read of it comes.
+    let drive_off = source_of(mapped.bar + from as u64);
     let fd = w.nvme_read.as_raw_fd();
     let addr = region.addr;
     let mlen = mapped.len;
