@@ -164,13 +164,15 @@ fn bench_runs_every_mode() -> CaseResult {
             "mode {m} moved its bytes in fewer requests than it made: the drive did not see its \
              I/O: {row}"
         );
-        // Against the same drive in the same turns, no mode can be more than twice as fast as
-        // ram, nor (at 1 MiB, depth 8) slower than a fifth of it.
+        // Against the same drive in the same turns, no mode can be much faster than ram, and
+        // direct (the same drive's DMA, no copy) not much slower; bounce adds a CPU copy,
+        // which under emulation costs it most of ram's rate.
+        let plausible = if m == "bounce" { 0.01..=1.5 } else { 0.5..=1.5 };
         ensure!(
             row["ratio_to_ram"]
                 .as_f64()
-                .is_some_and(|v| (0.2..=2.0).contains(&v)),
-            "mode {m}'s ratio to ram is not plausible for the same drive: {row}"
+                .is_some_and(|v| plausible.contains(&v)),
+            "mode {m}'s ratio to ram is not plausible for the same drive ({plausible:?}): {row}"
         );
     }
     // The baselines are the fair ones: RAM in transparent huge pages where the kernel has
