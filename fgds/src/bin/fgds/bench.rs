@@ -854,54 +854,46 @@ fn busy_secs(source: CpuSource, from: &CpuClock, to: &CpuClock) -> f64 {
     }
 }
 
-/// The emulator's CPU time so far, in nanoseconds, all its threads and its vCPU threads, from
-/// the port of --host-cpu-port: one request line `qemu_cpu`, one reply line `ok <all> <vcpus>`
-/// (the rig's control channel, qemu/src/control.rs; the port is opened per request, as the rig's
-/// other clients do).
-fn host_cpu(port: &Path) -> anyhow::Result<(u64, u64)> {
+/// One request line on the port of --host-cpu-port (the rig's control channel,
+/// qemu/src/control.rs; opened per request, as the rig's other clients do): the reply's text
+/// after `ok `, or why there is none.
+fn host_request(port: &Path, request: &str, want: &str) -> anyhow::Result<String> {
     use std::io::{BufRead, Write};
     let mut file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(port)
         .with_context(|| format!("cannot open --host-cpu-port {}", port.display()))?;
-    file.write_all(b"qemu_cpu\n")?;
+    file.write_all(format!("{request}\n").as_bytes())?;
     let mut reply = String::new();
     std::io::BufReader::new(file).read_line(&mut reply)?;
-    let figures = reply
+    reply
         .trim()
         .strip_prefix("ok ")
-        .and_then(|r| r.split_once(' '))
-        .and_then(|(a, v)| Some((a.parse::<u64>().ok()?, v.parse::<u64>().ok()?)));
-    figures.with_context(|| {
-        format!(
-            "--host-cpu-port {}: `qemu_cpu` got {:?}, want `ok <ns> <ns>`",
-            port.display(),
-            reply.trim()
-        )
-    })
+        .map(str::to_owned)
+        .with_context(|| {
+            format!(
+                "--host-cpu-port {}: `{request}` got {:?}, want `ok {want}`",
+                port.display(),
+                reply.trim()
+            )
+        })
 }
 
-/// How the host backs the GPU's memory and the guest's RAM, from the port of --host-cpu-port:
-/// one request line `qemu_backing`, one reply line `ok <json>` (qemu/src/control.rs).
+/// The emulator's CPU time so far, in nanoseconds, all its threads and its vCPU threads
+/// (`qemu_cpu`: `ok <all> <vcpus>`).
+fn host_cpu(port: &Path) -> anyhow::Result<(u64, u64)> {
+    let reply = host_request(port, "qemu_cpu", "<ns> <ns>")?;
+    reply
+        .split_once(' ')
+        .and_then(|(a, v)| Some((a.parse::<u64>().ok()?, v.parse::<u64>().ok()?)))
+        .with_context(|| format!("`qemu_cpu` got {reply:?}, want two numbers of nanoseconds"))
+}
+
+/// How the host backs the GPU's memory and the guest's RAM (`qemu_backing`: `ok <json>`).
 fn host_backing(port: &Path) -> anyhow::Result<serde_json::Value> {
-    use std::io::{BufRead, Write};
-    let mut file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(port)
-        .with_context(|| format!("cannot open --host-cpu-port {}", port.display()))?;
-    file.write_all(b"qemu_backing\n")?;
-    let mut reply = String::new();
-    std::io::BufReader::new(file).read_line(&mut reply)?;
-    let json = reply.trim().strip_prefix("ok ").with_context(|| {
-        format!(
-            "--host-cpu-port {}: `qemu_backing` got {:?}, want `ok <json>`",
-            port.display(),
-            reply.trim()
-        )
-    })?;
-    serde_json::from_str(json).context("the reply to `qemu_backing` is not JSON")
+    let json = host_request(port, "qemu_backing", "<json>")?;
+    serde_json::from_str(&json).context("the reply to `qemu_backing` is not JSON")
 }
 
 /// A thread's io_uring: 128-byte entries for every mode (see [`make_rings`]).
