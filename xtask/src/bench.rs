@@ -912,8 +912,9 @@ fn fine_cpu_clock(modes: &BTreeMap<String, &Value>, m: &str) -> bool {
         .is_some_and(|r| r["cpu_clock"].as_str() == Some("schedstat-ns"))
 }
 
-/// The ratios of `a`'s figures under `key` to `b`'s, one per group of rounds (as
-/// [`paired_by`] groups them before taking the median).
+/// The ratios of `a`'s figures under `key` to `b`'s, one per group of as many rounds as the
+/// compared modes rotate through (`rotation`, 2 or 3): `fgds bench` rotates ram, direct (and
+/// ram-again) through the first places, so that over those rounds each has followed bounce once.
 fn paired_groups(modes: &BTreeMap<String, &Value>, key: &str, a: &str, b: &str) -> Vec<f64> {
     let rounds = modes
         .get(a)
@@ -931,30 +932,9 @@ fn paired_groups(modes: &BTreeMap<String, &Value>, key: &str, a: &str, b: &str) 
         .collect()
 }
 
+/// The median of [`paired_groups`]; `None` where either mode has no such figures.
 fn paired_by(modes: &BTreeMap<String, &Value>, key: &str, a: &str, b: &str) -> Option<f64> {
-    // As many rounds at a time as the compared modes rotate through (`rotation`, 2 or 3):
-    // `fgds bench` rotates ram, direct (and ram-again) through the first places, so that over
-    // those rounds each has followed bounce once (docs/performance.md).
-    let rounds = modes
-        .get(a)
-        .and_then(|r| r["rotation"].as_u64())
-        .unwrap_or(2)
-        .max(1) as usize;
-    let (a, b) = (turn_values(modes, a, key)?, turn_values(modes, b, key)?);
-    let mut ratios = a
-        .chunks(rounds)
-        .zip(b.chunks(rounds))
-        .map(|(a, b)| (a.iter().sum::<f64>(), b.iter().sum::<f64>()))
-        .filter(|&(_, b)| b > 0.0)
-        .map(|(a, b)| a / b)
-        .collect::<Vec<_>>();
-    ratios.sort_by(f64::total_cmp);
-    let n = ratios.len();
-    match n {
-        0 => None,
-        _ if n % 2 == 1 => Some(ratios[n / 2]),
-        _ => Some((ratios[n / 2 - 1] + ratios[n / 2]) / 2.0),
-    }
+    median(Some(paired_groups(modes, key, a, b)))
 }
 
 /// In how many of their turns `direct`'s figure under `key` and `other`'s satisfy `holds`,
