@@ -146,9 +146,17 @@ static int fgds_account(struct fgds_buf *buf)
  */
 void fgds_buf_free(struct fgds_buf *buf)
 {
+	struct fgds_dma_map *m;
+
 	WARN_ON_ONCE(buf->holding || buf->pinned || buf->sgt);
 	/* Killed @users are freed only once their RCU callback ended. */
 	WARN_ON_ONCE(!fgds_buf_users_quiet(buf));
+	while ((m = buf->dma_maps)) {
+		WARN_ON_ONCE(m->pinned || m->sgt);
+		buf->dma_maps = m->next;
+		dma_buf_detach(buf->dmabuf, m->attach);
+		kfree(m);
+	}
 	if (buf->attach)
 		dma_buf_detach(buf->dmabuf, buf->attach);
 	if (buf->dmabuf)
@@ -378,6 +386,108 @@ static int fgds_buf_import(struct fgds_buf *buf,
 
 out_unlock:
 	dma_resv_unlock(resv);
+	return ret;
+}
+
+/**
+ * fgds_buf_dma_mapped() - is a registration mapped for a DMA device?
+ * @buf: the registration (a live @users reference held)
+ * @pdev: the device that will do the DMA of one of fgds's reads or writes
+ *
+ * Return: true once fgds_buf_dma_attach() mapped it for @pdev.
+ */
+bool fgds_buf_dma_mapped(struct fgds_buf *buf, struct pci_dev *pdev)
+{
+	struct fgds_dma_map *m;
+
+	/* Pairs with the release in fgds_buf_dma_attach(): @m is complete. */
+	for (m = smp_load_acquire(&buf->dma_maps); m; m = m->next)
+		if (m->pdev == pdev)
+			return true;
+	return false;
+}
+
+/**
+ * fgds_buf_dma_attach() - have the exporter map a registration for the
+ *	device that will do the DMA of fgds's reads and writes
+ * @buf: the registration (reference held, no @users reference: an exporter
+ *	may hold the reservation lock while it waits for a revocation, which
+ *	waits for @users)
+ * @pdev: the device, which the gate admitted
+ *
+ * The dma-buf rule is that the device doing the DMA is the importer, so the
+ * exporter judges its path (vfio-pci and vgpu: pci_p2pdma_map_type()).
+ * fgds's pages stay what it hands the block layer, which maps them for
+ * @pdev itself; the mapping made here is held, as the GPU's own is, until
+ * the registration's pages are quiet after a revocation or its release, and
+ * dropped with it. Made once per device and registration.
+ *
+ * Return: 0, -EREMOTEIO where the exporter refused @pdev (logged), -ENODEV
+ * if @buf was revoked, or -ENOMEM.
+ */
+int fgds_buf_dma_attach(struct fgds_buf *buf, struct pci_dev *pdev)
+{
+	struct dma_resv *resv = buf->dmabuf->resv;
+	struct dma_buf_attachment *attach;
+	struct fgds_dma_map *m, *old;
+	struct sg_table *sgt;
+	int ret;
+
+	m = kzalloc(sizeof(*m), GFP_KERNEL);
+	if (!m)
+		return -ENOMEM;
+	attach = dma_buf_dynamic_attach(buf->dmabuf, &pdev->dev,
+					&fgds_attach_ops, buf);
+	if (IS_ERR(attach)) {
+		ret = PTR_ERR(attach);
+		dev_info_ratelimited(&buf->gpu->dev,
+				     "%s: the exporter refused an attachment as %s, which would do the DMA (%d): it cannot reach this memory; go through RAM\n",
+				     buf->owner, pci_name(pdev), ret);
+		kfree(m);
+		return ret == -ENOMEM || ret == -ENODEV ? ret : -EREMOTEIO;
+	}
+	m->pdev = pdev;
+	m->attach = attach;
+
+	ret = dma_resv_lock_interruptible(resv, NULL);
+	if (ret)
+		goto err_detach;
+	ret = -ENODEV;
+	if (buf->revoked)
+		goto err_unlock;
+	for (old = buf->dma_maps; old; old = old->next)
+		if (old->pdev == pdev)
+			break;
+	ret = 0;
+	if (old)	/* Another call got there first. */
+		goto err_unlock;
+	ret = dma_buf_pin(attach);
+	if (ret)
+		goto err_unlock;
+	m->pinned = true;
+	sgt = dma_buf_map_attachment(attach, fgds_buf_dma_dir(buf));
+	if (IS_ERR(sgt)) {
+		ret = PTR_ERR(sgt);
+		dev_info_ratelimited(&buf->gpu->dev,
+				     "%s: the exporter refused a mapping for %s, which would do the DMA (%d): it cannot reach this memory; go through RAM\n",
+				     buf->owner, pci_name(pdev), ret);
+		if (ret != -ENOMEM && ret != -ENODEV)
+			ret = -EREMOTEIO;
+		dma_buf_unpin(attach);
+		goto err_unlock;
+	}
+	m->sgt = sgt;
+	m->next = buf->dma_maps;
+	/* Pairs with the acquire in fgds_buf_dma_mapped(). */
+	smp_store_release(&buf->dma_maps, m);
+	dma_resv_unlock(resv);
+	return 0;
+
+err_unlock:
+	dma_resv_unlock(resv);
+err_detach:
+	dma_buf_detach(buf->dmabuf, attach);
+	kfree(m);
 	return ret;
 }
 

@@ -219,6 +219,23 @@ struct fgds_extent {
 };
 
 /**
+ * struct fgds_dma_map - a registration's dma-buf as mapped for the device
+ *	that does the DMA of fgds's own reads and writes
+ * @next: the next (older) one
+ * @pdev: that device (an NVMe controller), which the exporter judged
+ * @attach: dynamic attachment as @pdev
+ * @sgt: the exporter's mapping for @pdev while pinned and mapped
+ * @pinned: dma_buf_pin() of @attach succeeded and is not yet undone
+ */
+struct fgds_dma_map {
+	struct fgds_dma_map *next;
+	struct pci_dev *pdev;
+	struct dma_buf_attachment *attach;
+	struct sg_table *sgt;
+	bool pinned;
+};
+
+/**
  * struct fgds_fence - a registration's revocation fence
  * @base: the fence, added to the dma-buf's reservation object (usage
  *	WRITE) when a revocation finds the pages still referenced; signalled
@@ -251,8 +268,13 @@ struct fgds_fence {
  * @pmd_ok: 2 MiB folios, and every extent at the same offset from a folio
  *	boundary: a suitably aligned mapping can map whole folios with PMDs
  * @dmabuf: the dma-buf (reference held)
- * @attach: dynamic attachment, as the GPU's own PCI device
+ * @attach: dynamic attachment, as the GPU's own PCI device: where the buffer
+ *	lies in the BAR (a stock kernel gives an importer nothing else to find
+ *	a dma-buf's pages by)
  * @sgt: the exporter's mapping while pinned and mapped
+ * @dma_maps: attachments as the devices that did fgds's own reads and writes
+ *	(rw.c), newest first; added under dmabuf->resv, published with a
+ *	release store, freed with @buf
  * @ext: where the buffer lies in the BAR
  * @nr_ext: entries in @ext
  * @user: the registering user, charged @size in locked_vm unless it had
@@ -308,6 +330,7 @@ struct fgds_buf {
 	struct dma_buf *dmabuf;
 	struct dma_buf_attachment *attach;
 	struct sg_table *sgt;
+	struct fgds_dma_map *dma_maps;
 	struct fgds_extent *ext;
 	unsigned int nr_ext;
 	struct user_struct *user;
@@ -466,7 +489,8 @@ ssize_t fgds_io(struct fgds_file *f, const struct fgds_io *arg, bool write);
 long fgds_ioctl_io(struct fgds_file *f, void __user *uarg, bool write);
 
 /* gate.c */
-int fgds_io_gate(struct fgds_gpu *gpu, struct file *file, int fd, bool write);
+int fgds_io_gate(struct fgds_gpu *gpu, struct file *file, int fd, bool write,
+		 struct pci_dev **dma_dev);
 
 /* uring.c */
 int fgds_uring_cmd(struct io_uring_cmd *cmd, unsigned int issue_flags);
@@ -477,5 +501,7 @@ const struct fgds_extent *fgds_buf_extent(const struct fgds_buf *buf,
 struct fgds_buf *fgds_file_buf_get(struct fgds_file *f, unsigned long id);
 void fgds_buf_put(struct fgds_buf *buf);
 void fgds_buf_free(struct fgds_buf *buf);
+bool fgds_buf_dma_mapped(struct fgds_buf *buf, struct pci_dev *pdev);
+int fgds_buf_dma_attach(struct fgds_buf *buf, struct pci_dev *pdev);
 
 #endif /* _FGDS_DRV_H */

@@ -94,7 +94,7 @@ static struct pci_dev *fgds_disk_pci_dev(struct gendisk *disk)
 			     current->comm, fd, ##__VA_ARGS__)
 
 static int fgds_gate_bdev(struct fgds_gpu *gpu, int fd,
-			  struct block_device *bdev)
+			  struct block_device *bdev, struct pci_dev **dma_dev)
 {
 	struct request_queue *q = bdev_get_queue(bdev);
 	u64 seq = bdev->bd_disk->diskseq;
@@ -107,12 +107,6 @@ static int fgds_gate_bdev(struct fgds_gpu *gpu, int fd,
 			    bdev);
 		return -EREMOTEIO;
 	}
-	/*
-	 * The disk's DMA device and its reach stay what they are for the
-	 * disk's life; its diskseq is never given to another disk.
-	 */
-	if (READ_ONCE(gpu->gate_diskseq) == seq)
-		goto merges;
 	pdev = fgds_disk_pci_dev(bdev->bd_disk);
 	if (!pdev) {
 		fgds_refuse(gpu, fd,
@@ -120,6 +114,13 @@ static int fgds_gate_bdev(struct fgds_gpu *gpu, int fd,
 			    bdev);
 		return -EREMOTEIO;
 	}
+	*dma_dev = pdev;
+	/*
+	 * The disk's DMA device and its reach stay what they are for the
+	 * disk's life; its diskseq is never given to another disk.
+	 */
+	if (READ_ONCE(gpu->gate_diskseq) == seq)
+		goto merges;
 	why = fgds_gpu_dma_dev_check(gpu, pdev);
 	if (why) {
 		fgds_refuse(gpu, fd,
@@ -144,12 +145,15 @@ merges:
  * @file: the file, open with O_DIRECT
  * @fd: its descriptor, for the log
  * @write: the registration is written to the file (else read into)
+ * @dma_dev: set to the PCI device that does the file's DMA (the file, open,
+ *	keeps its disk and so that device)
  *
  * The rules of the top of this file.
  *
  * Return: 0, or -EREMOTEIO (logged, ratelimited).
  */
-int fgds_io_gate(struct fgds_gpu *gpu, struct file *file, int fd, bool write)
+int fgds_io_gate(struct fgds_gpu *gpu, struct file *file, int fd, bool write,
+		 struct pci_dev **dma_dev)
 {
 	struct inode *inode = file_inode(file);
 	struct super_block *sb = inode->i_sb;
@@ -166,7 +170,8 @@ int fgds_io_gate(struct fgds_gpu *gpu, struct file *file, int fd, bool write)
 		return -EREMOTEIO;
 	}
 	if (S_ISBLK(inode->i_mode))
-		return fgds_gate_bdev(gpu, fd, I_BDEV(file->f_mapping->host));
+		return fgds_gate_bdev(gpu, fd, I_BDEV(file->f_mapping->host),
+				      dma_dev);
 	if (!fgds_fs_is_block(sb)) {
 		fgds_refuse(gpu, fd,
 			    "a file on %s: its direct I/O is not the block layer's DMA (fgds takes files on ext4 or xfs); go through RAM",
@@ -180,5 +185,5 @@ int fgds_io_gate(struct fgds_gpu *gpu, struct file *file, int fd, bool write)
 			    IS_ENCRYPTED(inode) ? "encrypted" : "verity", sb->s_id);
 		return -EREMOTEIO;
 	}
-	return fgds_gate_bdev(gpu, fd, sb->s_bdev);
+	return fgds_gate_bdev(gpu, fd, sb->s_bdev, dma_dev);
 }

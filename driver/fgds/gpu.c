@@ -150,10 +150,10 @@ static void fgds_pages_unclaim(struct fgds_gpu *gpu)
 
 /*
  * Returns the type of the first ZONE_DEVICE pagemap found over the BAR, or -1
- * when there is none, and in *mine whether fgds created it (see
- * fgds_mark_p2pdma()). Pagemaps are at least subsection (2 MiB) aligned.
+ * when there is none: not fgds's, since fgds drops its own with its
+ * provider. Pagemaps are at least subsection (2 MiB) aligned.
  */
-static int fgds_bar_pgmap_type(struct fgds_gpu *gpu, bool *mine)
+static int fgds_bar_pgmap_type(struct fgds_gpu *gpu)
 {
 	unsigned long pfn = fgds_bar_pfn(gpu);
 	unsigned long end = pfn + PHYS_PFN(gpu->geo.len);
@@ -166,7 +166,6 @@ static int fgds_bar_pgmap_type(struct fgds_gpu *gpu, bool *mine)
 		if (!pgmap)
 			continue;
 		type = pgmap->type;
-		*mine = pgmap->owner == gpu->pdev;
 		put_dev_pagemap(pgmap);
 		return type;
 	}
@@ -200,25 +199,6 @@ static void fgds_unreserve_wc(struct fgds_gpu *gpu)
 }
 
 #ifdef CONFIG_PCI_P2PDMA
-/*
- * Marks the P2PDMA pagemap fgds just created over the BAR as fgds's: its
- * ->owner (which the kernel reads only for device-private and coherent
- * memory) becomes the GPU's pci_dev. Where the device already had P2PDMA
- * state, the pagemap cannot be removed until the GPU's driver unbinds; if
- * fgds is unloaded and loaded again meanwhile, the mark tells it that these
- * pages are its own, not the exporter's.
- */
-static void fgds_mark_p2pdma(struct fgds_gpu *gpu)
-{
-	struct dev_pagemap *pgmap = fgds_get_dev_pagemap(fgds_bar_pfn(gpu));
-
-	if (WARN_ON_ONCE(!pgmap))
-		return;
-	if (pgmap->type == MEMORY_DEVICE_PCI_P2PDMA && !pgmap->owner)
-		pgmap->owner = gpu->pdev;
-	put_dev_pagemap(pgmap);
-}
-
 /*
  * Claims the whole BAR from the P2PDMA genpool, so that no other allocator
  * can hand its memory out.
@@ -280,67 +260,38 @@ static int fgds_claim_p2pdma_order(struct fgds_gpu *gpu, unsigned int order)
 }
 
 /*
- * The GPU still has the P2PDMA pages an earlier fgds created (its driver did
- * not unbind since): claim them again, in the folios they were made with.
- */
-static int fgds_reuse_p2pdma(struct fgds_gpu *gpu)
-{
-	struct dev_pagemap *pgmap = fgds_get_dev_pagemap(fgds_bar_pfn(gpu));
-	unsigned int order = 0;
-	int ret;
-
-	if (pgmap) {
-		order = pgmap->vmemmap_shift;
-		put_dev_pagemap(pgmap);
-	}
-	ret = fgds_reserve_wc(gpu);
-	if (ret)
-		return ret;
-	ret = fgds_claim_p2pdma_order(gpu, order);
-	if (ret) {
-		fgds_unreserve_wc(gpu);
-		return ret;
-	}
-	gpu->p2p_group = NULL;
-	return 0;
-}
-
-/*
- * Creating P2PDMA pages puts devres on the GPU's device, so it is only done
- * while a driver is bound (the caller checks): devres present at probe makes
- * the driver core refuse to bind. If fgds created the device's P2PDMA state,
- * all of it goes into a devres group that fgds releases itself; otherwise the
- * resource stays until the driver unbinds, since a P2PDMA genpool chunk
- * cannot be removed on its own.
+ * Creating P2PDMA pages puts devres on the GPU's device (the kernel has no
+ * other way to make them), so it is only done while a driver is bound (the
+ * caller checks: devres present at probe makes the driver core refuse to
+ * bind), and only where the device has no P2PDMA state yet: all that
+ * pci_p2pdma_add_resource() creates (state, pool, pagemap) goes into one
+ * devres group that fgds releases itself, so nothing of fgds's outlives its
+ * provider, and no other driver's P2PDMA state ever holds fgds's pages.
  */
 static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
 {
 	unsigned int order = fgds_p2pdma_order(gpu);
 	struct pci_dev *pdev = gpu->pdev;
-	void *group = NULL;
+	void *group;
 	int ret;
 
+	if (WARN_ON_ONCE(rcu_access_pointer(pdev->p2pdma)))
+		return -EBUSY;
 	ret = fgds_reserve_wc(gpu);
 	if (ret)
 		return ret;
-
-	if (!rcu_access_pointer(pdev->p2pdma)) {
-		group = devres_open_group(&pdev->dev, NULL, GFP_KERNEL);
-		if (!group) {
-			ret = -ENOMEM;
-			goto err_wc;
-		}
+	group = devres_open_group(&pdev->dev, NULL, GFP_KERNEL);
+	if (!group) {
+		ret = -ENOMEM;
+		goto err_wc;
 	}
 	ret = fgds_p2pdma_add_resource(gpu, order);
-	if (group)
-		devres_close_group(&pdev->dev, group);
+	devres_close_group(&pdev->dev, group);
 	if (ret) {
 		pci_err(pdev, "fgds: cannot register P2PDMA pages for BAR %d: %d\n",
 			gpu->geo.bar, ret);
 		goto err_group;
 	}
-
-	fgds_mark_p2pdma(gpu);
 	ret = fgds_claim_p2pdma_order(gpu, order);
 	if (ret)
 		goto err_group;
@@ -348,8 +299,7 @@ static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
 	return 0;
 
 err_group:
-	if (group)
-		devres_release_group(&pdev->dev, group);
+	devres_release_group(&pdev->dev, group);
 err_wc:
 	fgds_unreserve_wc(gpu);
 	return ret;
@@ -369,11 +319,6 @@ static void fgds_teardown_p2pdma(struct fgds_gpu *gpu)
 }
 #else
 static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
-{
-	return -EOPNOTSUPP;
-}
-
-static int fgds_reuse_p2pdma(struct fgds_gpu *gpu)
 {
 	return -EOPNOTSUPP;
 }
@@ -481,8 +426,12 @@ const char *fgds_gpu_dma_dev_check(struct fgds_gpu *gpu, struct pci_dev *pdev)
 	return NULL;
 }
 
-/* Whether fgds may create GENERIC pages; a refusal is logged with the fix. */
-static bool fgds_generic_allowed(struct fgds_gpu *gpu)
+/*
+ * Whether fgds may create GENERIC pages; a refusal is logged with the fix.
+ * @foreign: they stand in for P2PDMA pages that fgds may not add to the
+ * GPU driver's own P2PDMA state.
+ */
+static bool fgds_generic_allowed(struct fgds_gpu *gpu, bool foreign)
 {
 	struct pci_dev *culprit;
 	const char *why = fgds_generic_unsafe(gpu, &culprit);
@@ -491,7 +440,11 @@ static bool fgds_generic_allowed(struct fgds_gpu *gpu)
 
 	if (!why)
 		return true;
-	if (IS_ENABLED(CONFIG_PCI_P2PDMA))
+	if (foreign)
+		pci_err(gpu->pdev,
+			"fgds: no pages for BAR %d: the GPU's driver keeps P2PDMA state of its own, to which fgds adds no pages, and GENERIC pages are refused: %s%s%s; use the kernel's dma-buf I/O where it has it, or read through RAM\n",
+			gpu->geo.bar, why, sep, name);
+	else if (IS_ENABLED(CONFIG_PCI_P2PDMA))
 		pci_err(gpu->pdev,
 			"fgds: GENERIC pages refused: %s%s%s; load fgds with pages=auto or pages=p2pdma\n",
 			why, sep, name);
@@ -602,21 +555,44 @@ err_wc:
 }
 
 /*
+ * Whether the GPU's driver set up P2PDMA state of its own (a provider
+ * without pages over the BAR, as vfio-pci and other exporters of BAR
+ * dma-bufs do on 7.x): fgds's own P2PDMA state is gone with its provider,
+ * so any found here is another driver's.
+ */
+static bool fgds_foreign_p2pdma(struct fgds_gpu *gpu)
+{
+#ifdef CONFIG_PCI_P2PDMA
+	return rcu_access_pointer(gpu->pdev->p2pdma);
+#else
+	return false;
+#endif
+}
+
+/*
  * Modes 2 and 3 of the top of this file, as pages= allows: P2PDMA pages
- * wherever the kernel has them (unless pages=generic), GENERIC pages only
- * where it has not (or pages=generic) and fgds vouches for the topology.
- * *why says why, for the log.
+ * wherever the kernel has them and the GPU's driver keeps no P2PDMA state
+ * of its own (unless pages=generic), GENERIC pages otherwise where fgds
+ * vouches for the topology. *why says why, for the log.
  */
 static int fgds_setup_own_pages(struct fgds_gpu *gpu, enum fgds_mode *mode,
 				const char **why)
 {
 	int pages = READ_ONCE(fgds_pages);
+	bool foreign = fgds_foreign_p2pdma(gpu);
 
 	if (pages == FGDS_PAGES_P2PDMA ||
-	    (pages == FGDS_PAGES_AUTO && IS_ENABLED(CONFIG_PCI_P2PDMA))) {
+	    (pages == FGDS_PAGES_AUTO && IS_ENABLED(CONFIG_PCI_P2PDMA) &&
+	     !foreign)) {
 		if (!IS_ENABLED(CONFIG_PCI_P2PDMA)) {
 			pci_err(gpu->pdev,
 				"fgds: pages=p2pdma, but the kernel has no CONFIG_PCI_P2PDMA; load fgds with pages=auto\n");
+			return -EOPNOTSUPP;
+		}
+		if (foreign) {
+			pci_err(gpu->pdev,
+				"fgds: pages=p2pdma, but the GPU's driver keeps P2PDMA state of its own with no pages over BAR %d: fgds adds no pages to another driver's P2PDMA state; load fgds with pages=auto, or use the kernel's dma-buf I/O where it has it\n",
+				gpu->geo.bar);
 			return -EOPNOTSUPP;
 		}
 		*mode = FGDS_MODE_P2PDMA;
@@ -624,11 +600,15 @@ static int fgds_setup_own_pages(struct fgds_gpu *gpu, enum fgds_mode *mode,
 		       "the kernel has CONFIG_PCI_P2PDMA";
 		return fgds_setup_p2pdma(gpu);
 	}
-	if (!fgds_generic_allowed(gpu))
+	if (!fgds_generic_allowed(gpu, foreign))
 		return -EOPNOTSUPP;
 	*mode = FGDS_MODE_GENERIC;
-	*why = pages == FGDS_PAGES_GENERIC ? "pages=generic" :
-	       "no CONFIG_PCI_P2PDMA, P2P path to every NVMe checked";
+	if (pages == FGDS_PAGES_GENERIC)
+		*why = "pages=generic";
+	else if (foreign)
+		*why = "the GPU's driver has its own P2PDMA state; P2P path to every NVMe checked";
+	else
+		*why = "no CONFIG_PCI_P2PDMA, P2P path to every NVMe checked";
 	return fgds_setup_generic(gpu);
 }
 
@@ -700,7 +680,6 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 {
 	enum fgds_mode mode = FGDS_MODE_NONE;
 	const char *why = "the exporter registered them";
-	bool mine = false;
 	int type, ret;
 
 	lockdep_assert_held(&gpu->lock);
@@ -716,12 +695,8 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 	if (ret)
 		return ret;
 
-	type = fgds_bar_pgmap_type(gpu, &mine);
-	if (type == MEMORY_DEVICE_PCI_P2PDMA && mine) {
-		mode = FGDS_MODE_P2PDMA;
-		why = "created by an earlier fgds since the GPU's driver bound";
-		ret = fgds_reuse_p2pdma(gpu);
-	} else if (type == MEMORY_DEVICE_PCI_P2PDMA) {
+	type = fgds_bar_pgmap_type(gpu);
+	if (type == MEMORY_DEVICE_PCI_P2PDMA) {
 		mode = FGDS_MODE_EXPORTER_P2PDMA;
 		ret = fgds_exporter_idle_refs(gpu);
 	} else if (type >= 0) {

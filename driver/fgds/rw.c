@@ -216,6 +216,7 @@ int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
 		    const struct fgds_io *arg, bool write, bool nowait,
 		    struct iov_iter *iter)
 {
+	struct pci_dev *dma_dev = NULL;
 	struct fgds_buf *buf;
 	struct file *file;
 	int ret;
@@ -243,9 +244,21 @@ int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
 	if (ret)
 		goto put_file;
 	/* @users held: the provider, whose mode the gate reads, stays. */
-	ret = fgds_io_gate(buf->gpu, file, arg->fd, write);
+	ret = fgds_io_gate(buf->gpu, file, arg->fd, write, &dma_dev);
 	if (ret)
 		goto put_users;
+	if (!fgds_buf_dma_mapped(buf, dma_dev)) {
+		ret = -EAGAIN;
+		if (nowait)
+			goto put_users;
+		/* An exporter may hold the reservation lock while it waits for @users. */
+		fgds_buf_users_put(buf);
+		ret = fgds_buf_dma_attach(buf, dma_dev);
+		if (!ret)
+			ret = fgds_buf_users_get(buf);
+		if (ret)
+			goto put_file;
+	}
 	init_sync_kiocb(&req->kiocb, file);
 	if (!(req->kiocb.ki_flags & IOCB_DIRECT)) {
 		dev_info_ratelimited(&buf->gpu->dev,

@@ -27,11 +27,14 @@
 #include <linux/memremap.h>
 #include <linux/mm.h>
 #include <linux/module.h>
+#include <linux/moduleparam.h>
 #include <linux/mutex.h>
 #include <linux/pci.h>
 #include <linux/pci-p2pdma.h>
 #include <linux/scatterlist.h>
 #include <linux/slab.h>
+#include <linux/spinlock.h>
+#include <linux/string.h>
 #include <linux/sysfs.h>
 #include <linux/uaccess.h>
 #include <linux/wait.h>
@@ -63,8 +66,11 @@
  * DOC: design
  *
  * Memory: BAR2 of the ivshmem device. In ``plain`` mode vgpu keeps its own
- * genalloc pool over the BAR's physical range; the BAR has no struct pages,
- * like VRAM on a real GPU. In ``p2pdma`` mode vgpu registers the BAR with
+ * genalloc pool over the BAR's physical range; the BAR has no struct pages
+ * and the device no P2PDMA state, like VRAM under amdgpu or NVIDIA's driver.
+ * ``provider`` mode is ``plain`` with the P2PDMA state and provider that
+ * vfio-pci sets up on 7.x (pcim_p2pdma_init(), no pages): its importers'
+ * tables come from dma_buf_phys_vec_to_sgt(). In ``p2pdma`` mode vgpu registers the BAR with
  * pci_p2pdma_add_resource() (not published unless publish=1, so no other
  * driver picks it up through pci_p2pmem_find() and userspace cannot take it
  * from p2pmem/allocate) and allocates from the P2PDMA pool, so buffers
@@ -110,11 +116,13 @@
 enum vgpu_mode {
 	VGPU_MODE_PLAIN,
 	VGPU_MODE_P2PDMA,
+	VGPU_MODE_PROVIDER,
 };
 
 static const char * const vgpu_mode_names[] = {
 	[VGPU_MODE_PLAIN] = "plain",
 	[VGPU_MODE_P2PDMA] = "p2pdma",
+	[VGPU_MODE_PROVIDER] = "provider",
 };
 
 /* How an importing device reaches the BAR. */
@@ -123,6 +131,19 @@ enum vgpu_route {
 	VGPU_ROUTE_BUS_ADDR,	/* behind the same switch: bus address */
 	VGPU_ROUTE_RESOURCE,	/* dma_map_resource() */
 	VGPU_ROUTE_PROVIDER,	/* 7.x: dma_buf_phys_vec_to_sgt() */
+};
+
+/* Distinct importing devices vgpu keeps count of, per device. */
+#define VGPU_MAX_IMPORTERS	8
+
+/**
+ * struct vgpu_importer - a device that has mappings of vgpu's buffers
+ * @name: its dev_name(); empty for a free slot
+ * @maps: how many tables it holds now
+ */
+struct vgpu_importer {
+	char name[32];
+	unsigned int maps;
 };
 
 /**
@@ -138,6 +159,8 @@ enum vgpu_route {
  * @bar_size: length of BAR2
  * @pool: plain mode: allocator over [@bar_phys, @bar_phys + @bar_size)
  * @provider: 7.x with CONFIG_PCI_P2PDMA: P2PDMA provider of BAR2
+ * @importers_lock: protects @importers
+ * @importers: the devices that hold mappings now (sysfs ``importers``)
  * @lock: protects @buffers, @nr_buffers, @nr_p2p_ranges and @removed
  * @buffers: live buffers (&vgpu_buffer.node)
  * @nr_buffers: number of entries in @buffers
@@ -163,6 +186,8 @@ struct vgpu_device {
 	resource_size_t bar_size;
 	struct gen_pool *pool;
 	struct p2pdma_provider *provider;
+	spinlock_t importers_lock;	/* protects @importers */
+	struct vgpu_importer importers[VGPU_MAX_IMPORTERS];
 	struct mutex lock;	/* see above */
 	struct list_head buffers;
 	unsigned int nr_buffers;
@@ -240,7 +265,12 @@ struct vgpu_mapping {
 
 static char *mode = "plain";
 module_param(mode, charp, 0444);
-MODULE_PARM_DESC(mode, "BAR2 memory: \"plain\" (no struct pages, default) or \"p2pdma\" (P2PDMA pages owned by vgpu; needs CONFIG_PCI_P2PDMA)");
+MODULE_PARM_DESC(mode, "BAR2 memory: \"plain\" (no struct pages, no P2PDMA state; default), \"provider\" (no struct pages, a P2PDMA provider as vfio-pci has on 7.x) or \"p2pdma\" (P2PDMA pages owned by vgpu); the last two need CONFIG_PCI_P2PDMA");
+
+static char refuse_importer[32];
+module_param_string(refuse_importer, refuse_importer, sizeof(refuse_importer),
+		    0644);
+MODULE_PARM_DESC(refuse_importer, "Refuse attachments by the device of this name (e.g. 0000:02:00.0), as an exporter refuses a device whose path it does not take; empty for none (default)");
 
 static bool publish;
 module_param(publish, bool, 0444);
@@ -282,7 +312,7 @@ static int vgpu_range_alloc(struct vgpu_device *vgpu, struct vgpu_buffer *buf)
 
 	lockdep_assert_held(&vgpu->lock);
 
-	if (vgpu->mode == VGPU_MODE_PLAIN) {
+	if (vgpu->mode != VGPU_MODE_P2PDMA) {
 		struct genpool_data_align align = { .align = VGPU_SKEW_ALIGN };
 
 		if (buf->range_size != buf->size)
@@ -358,7 +388,7 @@ static void vgpu_range_free(struct vgpu_device *vgpu, struct vgpu_buffer *buf)
 {
 	lockdep_assert_held(&vgpu->lock);
 
-	if (vgpu->mode == VGPU_MODE_PLAIN) {
+	if (vgpu->mode != VGPU_MODE_P2PDMA) {
 		gen_pool_free(vgpu->pool, vgpu->bar_phys + buf->bar_offset,
 			      buf->range_size);
 		return;
@@ -372,31 +402,26 @@ static void vgpu_range_free(struct vgpu_device *vgpu, struct vgpu_buffer *buf)
 
 /* --- DMA mappings for importers --- */
 
-#if FGDS_HAVE_P2PDMA_PROVIDER
 /*
- * 7.x: the provider helpers pick bus address or IOMMU mapping themselves,
- * but only for the PCI device itself (pci_p2pdma_map_type() does not walk
- * up from a child device as pci_p2pdma_distance() does).
+ * With a provider (7.x, modes provider and p2pdma) its helpers pick bus
+ * address or IOMMU mapping themselves, but only for the PCI device itself
+ * (pci_p2pdma_map_type() does not walk up from a child device as
+ * pci_p2pdma_distance() does). Without one (6.x, or mode plain), a bus
+ * address for a switch-local pair, as the DMA layer does for P2PDMA pages,
+ * and dma_map_resource() through the host bridge otherwise, as amdgpu does.
  */
 static int vgpu_p2p_pick(struct vgpu_device *vgpu, struct device *dev,
 			 enum vgpu_route *route)
 {
-	if (!dev_is_pci(dev)) {
-		dev_warn_ratelimited(&vgpu->dev, "%s: attach with the PCI device itself, not a child of it\n",
-				     dev_name(dev));
-		return -EINVAL;
+	if (vgpu->provider) {
+		if (!dev_is_pci(dev)) {
+			dev_warn_ratelimited(&vgpu->dev, "%s: attach with the PCI device itself, not a child of it\n",
+					     dev_name(dev));
+			return -EINVAL;
+		}
+		*route = VGPU_ROUTE_PROVIDER;
+		return 0;
 	}
-	*route = VGPU_ROUTE_PROVIDER;
-	return 0;
-}
-#else
-/*
- * 6.x: bus address for a switch-local pair, as the DMA layer does for
- * P2PDMA pages; dma_map_resource() through the host bridge otherwise.
- */
-static int vgpu_p2p_pick(struct vgpu_device *vgpu, struct device *dev,
-			 enum vgpu_route *route)
-{
 	/* pci_p2pdma_distance() found a PCI device at or above @dev. */
 	while (dev && !dev_is_pci(dev))
 		dev = dev->parent;
@@ -408,7 +433,46 @@ static int vgpu_p2p_pick(struct vgpu_device *vgpu, struct device *dev,
 		*route = VGPU_ROUTE_RESOURCE;
 	return 0;
 }
-#endif
+
+/* Whether refuse_importer names @dev (it is set from sysfs at any time). */
+static bool vgpu_refused(struct device *dev)
+{
+	bool refused;
+
+	kernel_param_lock(THIS_MODULE);
+	refused = refuse_importer[0] &&
+		  sysfs_streq(refuse_importer, dev_name(dev));
+	kernel_param_unlock(THIS_MODULE);
+	return refused;
+}
+
+/* Counts @dev's tables up (@delta 1) or down (-1) in vgpu->importers. */
+static void vgpu_importer_count(struct vgpu_device *vgpu, struct device *dev,
+				int delta)
+{
+	struct vgpu_importer *imp, *free = NULL;
+
+	spin_lock(&vgpu->importers_lock);
+	for (imp = vgpu->importers;
+	     imp < vgpu->importers + VGPU_MAX_IMPORTERS; imp++) {
+		if (!imp->name[0]) {
+			free = free ?: imp;
+			continue;
+		}
+		if (!strcmp(imp->name, dev_name(dev)))
+			goto found;
+	}
+	imp = free;
+	if (!imp || delta < 0)
+		goto out;
+	strscpy(imp->name, dev_name(dev), sizeof(imp->name));
+found:
+	imp->maps += delta;
+	if (!imp->maps)
+		imp->name[0] = '\0';
+out:
+	spin_unlock(&vgpu->importers_lock);
+}
 
 /* The P2PDMA rules, for a device other than vgpu's own. */
 static int vgpu_p2p_route(struct vgpu_device *vgpu, struct device *dev,
@@ -434,6 +498,11 @@ static int vgpu_p2p_route(struct vgpu_device *vgpu, struct device *dev,
 static int vgpu_route(struct vgpu_device *vgpu, struct device *dev,
 		      enum vgpu_route *route)
 {
+	if (vgpu_refused(dev)) {
+		dev_info_ratelimited(&vgpu->dev, "%s refused: refuse_importer names it\n",
+				     dev_name(dev));
+		return -EINVAL;
+	}
 	if (dev == &vgpu->pdev->dev) {
 		*route = VGPU_ROUTE_SELF;
 		return 0;
@@ -573,6 +642,7 @@ static struct sg_table *vgpu_map_dma_buf(struct dma_buf_attachment *attach,
 
 	list_add(&map->node, &buf->maps);
 	WRITE_ONCE(buf->nr_maps, buf->nr_maps + 1);
+	vgpu_importer_count(buf->vgpu, attach->dev, 1);
 	return map->sgt;
 
 err_free:
@@ -623,6 +693,7 @@ found:
 	list_del(&map->node);
 	kfree(map);
 	WRITE_ONCE(buf->nr_maps, buf->nr_maps - 1);
+	vgpu_importer_count(buf->vgpu, attach->dev, -1);
 	wake_up_all(&buf->vgpu->wq);
 }
 
@@ -928,9 +999,9 @@ static int vgpu_ioctl_alloc(struct vgpu_device *vgpu,
 		return -EINVAL;
 	}
 	if ((arg.flags & VGPU_ALLOC_SKEW) &&
-	    (vgpu->mode != VGPU_MODE_PLAIN || arg.size < 2 * SZ_2M ||
+	    (vgpu->mode == VGPU_MODE_P2PDMA || arg.size < 2 * SZ_2M ||
 	     !IS_ALIGNED(arg.size, SZ_2M))) {
-		dev_dbg(&vgpu->dev, "VGPU_IOCTL_ALLOC: VGPU_ALLOC_SKEW needs mode=plain and a size of 4 MiB or more, a multiple of 2 MiB\n");
+		dev_dbg(&vgpu->dev, "VGPU_IOCTL_ALLOC: VGPU_ALLOC_SKEW needs mode=plain or provider and a size of 4 MiB or more, a multiple of 2 MiB\n");
 		return -EINVAL;
 	}
 	if (!arg.size || !PAGE_ALIGNED(arg.size)) {
@@ -1088,6 +1159,25 @@ static ssize_t buffers_show(struct device *dev, struct device_attribute *attr,
 }
 static DEVICE_ATTR_RO(buffers);
 
+/* One line per device holding mappings now: its name and how many. */
+static ssize_t importers_show(struct device *dev,
+			      struct device_attribute *attr, char *page)
+{
+	struct vgpu_device *vgpu = to_vgpu(dev);
+	struct vgpu_importer *imp;
+	int len = 0;
+
+	spin_lock(&vgpu->importers_lock);
+	for (imp = vgpu->importers;
+	     imp < vgpu->importers + VGPU_MAX_IMPORTERS; imp++)
+		if (imp->name[0])
+			len += sysfs_emit_at(page, len, "%s %u\n", imp->name,
+					     imp->maps);
+	spin_unlock(&vgpu->importers_lock);
+	return len;
+}
+static DEVICE_ATTR_RO(importers);
+
 static ssize_t revoke_store(struct device *dev, struct device_attribute *attr,
 			    const char *page, size_t count)
 {
@@ -1178,6 +1268,7 @@ static DEVICE_ATTR_WO(fill);
 static struct attribute *vgpu_attrs[] = {
 	&dev_attr_mode.attr,
 	&dev_attr_buffers.attr,
+	&dev_attr_importers.attr,
 	&dev_attr_revoke.attr,
 	&dev_attr_last_revoke.attr,
 	&dev_attr_fill.attr,
@@ -1256,6 +1347,8 @@ static int vgpu_setup_plain(struct vgpu_device *vgpu)
 	ret = gen_pool_add(vgpu->pool, vgpu->bar_phys, vgpu->bar_size, nid);
 	if (ret)
 		return ret;
+	if (vgpu->mode != VGPU_MODE_PROVIDER)
+		return 0;
 
 #if FGDS_HAVE_P2PDMA_PROVIDER
 	ret = pcim_p2pdma_init(pdev);
@@ -1267,8 +1360,11 @@ static int vgpu_setup_plain(struct vgpu_device *vgpu)
 	vgpu->provider = pcim_p2pdma_provider(pdev, VGPU_BAR);
 	if (!vgpu->provider)
 		return -EINVAL;
-#endif
 	return 0;
+#else
+	pci_err(pdev, "mode=provider needs a kernel with P2PDMA providers (7.x with CONFIG_PCI_P2PDMA); load vgpu with mode=plain\n");
+	return -EOPNOTSUPP;
+#endif
 }
 
 static int vgpu_setup_p2pdma(struct vgpu_device *vgpu)
@@ -1386,6 +1482,7 @@ static int vgpu_probe(struct pci_dev *pdev, const struct pci_device_id *id)
 	vgpu->bar_bus = pci_bus_address(pdev, VGPU_BAR);
 	vgpu->bar_size = pci_resource_len(pdev, VGPU_BAR);
 	mutex_init(&vgpu->lock);
+	spin_lock_init(&vgpu->importers_lock);
 	INIT_LIST_HEAD(&vgpu->buffers);
 	INIT_LIST_HEAD(&vgpu->zombies);
 	INIT_DELAYED_WORK(&vgpu->reclaim, vgpu_reclaim_work);
@@ -1402,10 +1499,10 @@ static int vgpu_probe(struct pci_dev *pdev, const struct pci_device_id *id)
 	if (ret)
 		goto err_put;
 
-	if (vgpu->mode == VGPU_MODE_PLAIN)
-		ret = vgpu_setup_plain(vgpu);
-	else
+	if (vgpu->mode == VGPU_MODE_P2PDMA)
 		ret = vgpu_setup_p2pdma(vgpu);
+	else
+		ret = vgpu_setup_plain(vgpu);
 	if (ret)
 		goto err_put;
 
@@ -1524,7 +1621,7 @@ static int __init vgpu_init(void)
 
 	ret = sysfs_match_string(vgpu_mode_names, mode);
 	if (ret < 0) {
-		pr_err("unknown mode=%s; use plain or p2pdma\n", mode);
+		pr_err("unknown mode=%s; use plain, provider or p2pdma\n", mode);
 		return ret;
 	}
 	vgpu_mode = ret;

@@ -73,10 +73,13 @@ pub enum Pages {
     Generic,
 }
 
-/// vgpu's `mode=` parameter: its BAR as plain memory (like VRAM) or with P2PDMA pages of its own.
+/// vgpu's `mode=` parameter: its BAR as plain memory (like VRAM under amdgpu or NVIDIA's
+/// driver), plain memory with a P2PDMA provider of its own (as vfio-pci has on 7.x), or with
+/// P2PDMA pages of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VgpuMode {
     Plain,
+    Provider,
     P2pdma,
 }
 
@@ -148,8 +151,10 @@ pub struct ModeRow {
 /// are allowed in the rig unless a vIOMMU translates DMA (the devices share a PCIe switch, which
 /// fgds's own topology walk, or the kernel's P2P check where it has one, accepts); see
 /// docs/driver.md, Page providers. vfio-pci registers no P2PDMA pages for the BAR it exports
-/// (its dma-bufs carry addresses only), so with `--exporter vfio` fgds creates its own as with
-/// plain vgpu.
+/// (its dma-bufs carry addresses only) but keeps P2PDMA state of its own, as vgpu's `provider`
+/// mode does: fgds adds no pages to another driver's P2PDMA state, so it makes GENERIC pages of
+/// its own where they are safe (no vIOMMU) and refuses otherwise (always for vfio-pci, which
+/// needs the vIOMMU).
 pub const MODES: &[ModeRow] = &[
     // The exporter registered P2PDMA pages for its BAR: fgds reuses them, whatever `pages=`.
     ModeRow {
@@ -165,6 +170,25 @@ pub const MODES: &[ModeRow] = &[
     },
     ModeRow {
         when: &[When::Pages(Pages::Generic)],
+        mode: Mode::Refused,
+    },
+    ModeRow {
+        when: &[When::Exporter(Exporter::Vfio)],
+        mode: Mode::Refused,
+    },
+    ModeRow {
+        when: &[
+            When::VgpuMode(VgpuMode::Provider),
+            When::Pages(Pages::P2pdma),
+        ],
+        mode: Mode::Refused,
+    },
+    ModeRow {
+        when: &[When::VgpuMode(VgpuMode::Provider), When::Iommu(false)],
+        mode: Mode::Generic,
+    },
+    ModeRow {
+        when: &[When::VgpuMode(VgpuMode::Provider)],
         mode: Mode::Refused,
     },
     ModeRow {
@@ -424,8 +448,9 @@ impl RunConfig {
             },
             vgpu_mode: match vgpu_mode {
                 "plain" => VgpuMode::Plain,
+                "provider" => VgpuMode::Provider,
                 "p2pdma" => VgpuMode::P2pdma,
-                other => anyhow::bail!("--vgpu-mode {other}: use plain or p2pdma"),
+                other => anyhow::bail!("--vgpu-mode {other}: use plain, provider or p2pdma"),
             },
             configs,
             iommu,
@@ -487,6 +512,15 @@ pub fn mode(config: &RunConfig) -> anyhow::Result<Mode> {
         anyhow::bail!(
             "vgpu mode=p2pdma needs a kernel with CONFIG_PCI_P2PDMA, which {} lacks: use \
              --vgpu-mode plain or a 7.x or build: kernel",
+            config.kernel
+        );
+    }
+    if config.vgpu_mode == VgpuMode::Provider
+        && (config.series < (6, 19) || !config.configs.contains("CONFIG_PCI_P2PDMA"))
+    {
+        anyhow::bail!(
+            "vgpu mode=provider needs P2PDMA providers (Linux 6.19 and later with \
+             CONFIG_PCI_P2PDMA), which {} lacks: use --vgpu-mode plain or a 7.x kernel",
             config.kernel
         );
     }

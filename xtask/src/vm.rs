@@ -37,9 +37,10 @@ pub struct Options {
     /// 4 skips, anything else fails; KTAP lines it prints are reported as subtests.
     #[arg(long = "exec", value_name = "PATH")]
     pub exec: Vec<PathBuf>,
-    /// The vgpu exporter's mode: plain (no struct pages, like VRAM) or p2pdma (P2PDMA pages of
-    /// its own, published for upstream's p2pmem).
-    #[arg(long, default_value = "plain", value_parser = ["plain", "p2pdma"])]
+    /// The vgpu exporter's mode: plain (no struct pages, like VRAM), provider (plain with a
+    /// P2PDMA provider of its own, as vfio-pci on 7.x) or p2pdma (P2PDMA pages of its own,
+    /// published for upstream's p2pmem).
+    #[arg(long, default_value = "plain", value_parser = ["plain", "provider", "p2pdma"])]
     pub vgpu_mode: String,
     /// fgds's `pages=` parameter: which pages it creates over the GPU's BAR (auto: P2PDMA
     /// wherever the kernel has CONFIG_PCI_P2PDMA, GENERIC only on kernels without it and only
@@ -572,6 +573,7 @@ fn module_params(name: &str, opts: &Options, vgpu_mode: expected::VgpuMode) -> S
     match name {
         // Published P2PDMA memory gives `fgds bench` its upstream `p2pmem` mode to compare.
         "vgpu" if vgpu_mode == expected::VgpuMode::P2pdma => "mode=p2pdma publish=1".to_owned(),
+        "vgpu" if vgpu_mode == expected::VgpuMode::Provider => "mode=provider".to_owned(),
         "vgpu" => "mode=plain".to_owned(),
         "fgds" => format!("devices=@ivshmem@ pages={}", opts.fgds_pages),
         _ => String::new(),
