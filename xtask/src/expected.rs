@@ -261,6 +261,7 @@ const VGPU_PROGRAMS: &[&str] = &[
     "fgds_crate",
     "fgds_python",
     "uring_dmabuf",
+    "fgds_owner",
     "vgpu_exporter",
     "smoke::vgpu_mmap_reaches_backing_file",
     "rig_control::gpu_unplug_and_replug",
@@ -293,6 +294,30 @@ pub const SKIPS: &[Skip] = &[
         reason: "this kernel has no dma-buf registered buffers",
         why: "the kernel's own dma-buf registered buffers come with Begunkov's io_uring dma-buf \
               series, in no released kernel: the rig builds it as build:7.2+io-uring-dmabuf",
+    },
+    Skip {
+        cases: &["fgds_owner::foreign_p2pdma_state_gets_no_pages"],
+        when: &[When::SeriesBelow(6, 19)],
+        reason: "no P2PDMA providers",
+        why: "vgpu's provider mode (P2PDMA state without pages, as vfio-pci keeps) needs \
+              pcim_p2pdma_provider(), Linux 6.19 and later",
+    },
+    Skip {
+        cases: &[
+            "fgds_owner::foreign_p2pdma_state_gets_no_pages",
+            "fgds_owner::exporter_p2pdma_pages_unchanged",
+        ],
+        when: &[When::LacksAny(&["CONFIG_PCI_P2PDMA"])],
+        reason: "no",
+        why: "P2PDMA state, a provider or pages, needs CONFIG_PCI_P2PDMA (off in Debian's 6.1 \
+              and 6.12)",
+    },
+    Skip {
+        cases: &["fgds_owner::foreign_p2pdma_state_gets_no_pages"],
+        when: &[When::Iommu(true)],
+        reason: "the GPU's DMA is translated",
+        why: "beside another driver's P2PDMA state fgds makes only GENERIC pages, which it \
+              refuses under a translating IOMMU (fgds_vfio checks that refusal)",
     },
     Skip {
         cases: &["kmemleak"],
@@ -404,6 +429,8 @@ pub const SKIPS: &[Skip] = &[
             "fgds_gate::*",
             "fgds_badinput::limit_memlock_enomem",
             "fgds_badinput::limit_bytes_per_user_enospc",
+            "fgds_owner::dma_device_is_the_importer",
+            "fgds_owner::exporter_refusing_the_dma_device_is_eremoteio",
             "fgds_cli",
             "fgds_crate",
             "fgds_python",
