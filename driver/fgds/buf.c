@@ -155,6 +155,7 @@ void fgds_buf_free(struct fgds_buf *buf)
 		WARN_ON_ONCE(m->pinned || m->sgt);
 		buf->dma_maps = m->next;
 		dma_buf_detach(buf->dmabuf, m->attach);
+		pci_dev_put(m->pdev);
 		kfree(m);
 	}
 	if (buf->attach)
@@ -446,7 +447,7 @@ int fgds_buf_dma_attach(struct fgds_buf *buf, struct pci_dev *pdev)
 		kfree(m);
 		return ret == -ENOMEM || ret == -ENODEV ? ret : -EREMOTEIO;
 	}
-	m->pdev = pdev;
+	m->pdev = pci_dev_get(pdev);
 	m->attach = attach;
 
 	ret = dma_resv_lock_interruptible(resv, NULL);
@@ -487,8 +488,56 @@ err_unlock:
 	dma_resv_unlock(resv);
 err_detach:
 	dma_buf_detach(buf->dmabuf, attach);
+	pci_dev_put(m->pdev);
 	kfree(m);
 	return ret;
+}
+
+/**
+ * fgds_dma_map_drop() - unmap and unpin a registration's mapping for a DMA
+ *	device
+ * @buf: the registration; dmabuf->resv held
+ * @m: one of its @dma_maps, kept on the list (and attached) until @buf goes
+ *
+ * Only once no DMA of that device can reach the memory: @buf's pages are
+ * quiet, or the device's driver was unbound.
+ */
+void fgds_dma_map_drop(struct fgds_buf *buf, struct fgds_dma_map *m)
+{
+	dma_resv_assert_held(buf->dmabuf->resv);
+	if (m->sgt)
+		dma_buf_unmap_attachment(m->attach, m->sgt,
+					 fgds_buf_dma_dir(buf));
+	m->sgt = NULL;
+	if (m->pinned)
+		dma_buf_unpin(m->attach);
+	m->pinned = false;
+}
+
+/**
+ * fgds_gpu_forget_dma_dev() - drop the mappings made for a device whose
+ *	driver is gone
+ * @gpu: a GPU (reference held)
+ * @pdev: a PCI device whose driver was unbound: its I/O has ended, and its
+ *	DMA mappings must go before the device itself does (the IOMMU group)
+ *
+ * Registrations released but not yet quiet are off @gpu->bufs: theirs go
+ * when they do.
+ */
+void fgds_gpu_forget_dma_dev(struct fgds_gpu *gpu, struct pci_dev *pdev)
+{
+	struct fgds_dma_map *m;
+	struct fgds_buf *buf;
+
+	mutex_lock(&gpu->bufs_lock);
+	list_for_each_entry(buf, &gpu->bufs, gpu_node) {
+		dma_resv_lock(buf->dmabuf->resv, NULL);
+		for (m = buf->dma_maps; m; m = m->next)
+			if (m->pdev == pdev)
+				fgds_dma_map_drop(buf, m);
+		dma_resv_unlock(buf->dmabuf->resv);
+	}
+	mutex_unlock(&gpu->bufs_lock);
 }
 
 /*

@@ -223,6 +223,7 @@ struct fgds_extent {
  *	that does the DMA of fgds's own reads and writes
  * @next: the next (older) one
  * @pdev: that device (an NVMe controller), which the exporter judged
+ *	(reference held: the attachment names it until it is detached)
  * @attach: dynamic attachment as @pdev
  * @sgt: the exporter's mapping for @pdev while pinned and mapped
  * @pinned: dma_buf_pin() of @attach succeeded and is not yet undone
@@ -502,6 +503,8 @@ struct fgds_buf *fgds_file_buf_get(struct fgds_file *f, unsigned long id);
 void fgds_buf_put(struct fgds_buf *buf);
 void fgds_buf_free(struct fgds_buf *buf);
 bool fgds_buf_dma_mapped(struct fgds_buf *buf, struct pci_dev *pdev);
+void fgds_dma_map_drop(struct fgds_buf *buf, struct fgds_dma_map *m);
+void fgds_gpu_forget_dma_dev(struct fgds_gpu *gpu, struct pci_dev *pdev);
 int fgds_buf_dma_attach(struct fgds_buf *buf, struct pci_dev *pdev);
 
 #endif /* _FGDS_DRV_H */

@@ -6,17 +6,23 @@
  * at the next registration) while the GPU has a driver bound (it is the
  * exporter, or vfio), torn down when that driver unbinds or the GPU goes away:
  *
- *  1. the exporter registered P2PDMA pages for the BAR: fgds maps those;
- *  2. with CONFIG_PCI_P2PDMA, fgds registers P2PDMA pages for the whole BAR
- *     and claims the whole range from the P2PDMA genpool, so no other
+ *  1. the exporter registered P2PDMA pages for the BAR: fgds maps those,
+ *     and adds, frees or claims nothing in the exporter's pool;
+ *  2. with CONFIG_PCI_P2PDMA, where the GPU's driver keeps no P2PDMA state
+ *     of its own, fgds registers P2PDMA pages for the whole BAR in a devres
+ *     group it releases itself with the provider (the kernel has no way to
+ *     make them but devres on the GPU's device: docs/driver.md, Whose
+ *     device), and claims the whole range from the P2PDMA genpool, so no other
  *     allocator (pci_alloc_p2pmem(), p2pmem/allocate) can hand that memory
  *     out. Where the kernel has pci_p2pdma_add_resource_folios() (the rig's
  *     kernel change p2pdma-folios) the pages are 2 MiB folios, which never
  *     enter the genpool. GUP hands P2PDMA pages only to callers that pass FOLL_PCI_P2PDMA
  *     (the block layer, for queues that can reach them), never pins them
  *     long-term, and the DMA layer maps them through the P2P distance check;
- *  3. without CONFIG_PCI_P2PDMA (Debian's 6.1 and 6.12), MEMORY_DEVICE_GENERIC
- *     pages, only where fgds can vouch that DMA reaches them exactly as it
+ *  3. without CONFIG_PCI_P2PDMA (Debian's 6.1 and 6.12), or beside P2PDMA
+ *     state of the GPU's driver without pages (vfio-pci on 7.x), to which
+ *     fgds adds nothing, MEMORY_DEVICE_GENERIC pages of fgds's own pagemap
+ *     (no devres), only where fgds can vouch that DMA reaches them exactly as it
  *     would reach P2PDMA pages (fgds_generic_unsafe()): no IOMMU translation,
  *     and a PCIe switch, or a host bridge that routes P2P, between the GPU
  *     and every NVMe controller. GENERIC pages look like RAM to GUP, so their

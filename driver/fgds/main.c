@@ -329,6 +329,40 @@ static struct fgds_gpu *fgds_get(struct pci_dev *pdev, bool unlist)
 	return gpu;
 }
 
+/*
+ * A storage device's driver is gone: every GPU drops the mappings its
+ * registrations had for it (fgds_gpu_forget_dma_dev()), each GPU referenced
+ * and fgds_lock let go first, since that waits for locks.
+ */
+static void fgds_forget_dma_dev(struct pci_dev *pdev)
+{
+	struct fgds_gpu *gpu, **gpus;
+	unsigned int n = 0, i;
+
+	if ((pdev->class >> 16) != PCI_BASE_CLASS_STORAGE)
+		return;
+	mutex_lock(&fgds_lock);
+	list_for_each_entry(gpu, &fgds_gpus, list)
+		n++;
+	gpus = kmalloc_array(n, sizeof(*gpus), GFP_KERNEL);
+	if (!gpus) {
+		mutex_unlock(&fgds_lock);
+		pci_warn(pdev, "fgds: out of memory: mappings made for this device stay until their registrations go\n");
+		return;
+	}
+	n = 0;
+	list_for_each_entry(gpu, &fgds_gpus, list) {
+		get_device(&gpu->dev);
+		gpus[n++] = gpu;
+	}
+	mutex_unlock(&fgds_lock);
+	for (i = 0; i < n; i++) {
+		fgds_gpu_forget_dma_dev(gpus[i], pdev);
+		put_device(&gpus[i]->dev);
+	}
+	kfree(gpus);
+}
+
 static int fgds_pci_notify(struct notifier_block *nb, unsigned long action,
 			   void *data)
 {
@@ -353,6 +387,9 @@ static int fgds_pci_notify(struct notifier_block *nb, unsigned long action,
 			fgds_gpu_teardown(gpu);
 			put_device(&gpu->dev);
 		}
+		break;
+	case BUS_NOTIFY_UNBOUND_DRIVER:
+		fgds_forget_dma_dev(pdev);
 		break;
 	case BUS_NOTIFY_DEL_DEVICE:
 		gpu = fgds_get(pdev, true);

@@ -288,15 +288,8 @@ void fgds_buf_unmap_locked(struct fgds_buf *buf)
 	struct fgds_dma_map *m;
 
 	dma_resv_assert_held(buf->dmabuf->resv);
-	for (m = buf->dma_maps; m; m = m->next) {
-		if (m->sgt)
-			dma_buf_unmap_attachment(m->attach, m->sgt,
-						 fgds_buf_dma_dir(buf));
-		m->sgt = NULL;
-		if (m->pinned)
-			dma_buf_unpin(m->attach);
-		m->pinned = false;
-	}
+	for (m = buf->dma_maps; m; m = m->next)
+		fgds_dma_map_drop(buf, m);
 	if (buf->sgt) {
 		dma_buf_unmap_attachment(buf->attach, buf->sgt,
 					 fgds_buf_dma_dir(buf));

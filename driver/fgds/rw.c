@@ -21,6 +21,10 @@
  * revocation fence signals after the last call in flight returned, however
  * long that takes, and the dma-buf is given back only then.
  *
+ * Before a call's first I/O through a device, the dma-buf is attached as that
+ * device (fgds_buf_dma_attach()): the device that does the DMA is the
+ * importer, and the exporter judges its path.
+ *
  * @users is only switched on (@in_use) the first time a call uses the
  * registration, so that revoking one never used that way needs no RCU
  * grace period before its pages count as quiet.

@@ -679,6 +679,14 @@ found:
 	switch (map->route) {
 	case VGPU_ROUTE_PROVIDER:
 #if FGDS_HAVE_P2PDMA_PROVIDER
+		/*
+		 * dma_buf_phys_vec_to_sgt() zeroes orig_nents as a marker and
+		 * dma_buf_free_sgt() frees the table with sg_free_table(),
+		 * which frees orig_nents entries: the scatterlist leaks (7.2,
+		 * 7.3; kernel-patches/dma-buf-free-sgt-leak/, docs/upstream.md).
+		 * Its entries are its nents, as sg_alloc_table() made them.
+		 */
+		sgt->orig_nents = sgt->nents;
 		dma_buf_free_sgt(attach, sgt, dir);
 #endif
 		break;
