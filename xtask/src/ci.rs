@@ -18,6 +18,9 @@ pub struct CiRun {
     pub iommu: bool,
     /// The suite's programs to run; empty: all of them.
     pub only: &'static [&'static str],
+    /// A third-party series of `../shared/comparators/` the kernel is built with: where the
+    /// machine has no copy, the run is reported skipped with that reason, never passed.
+    pub comparator: Option<&'static str>,
     /// Why this configuration is in CI.
     pub proves: &'static str,
 }
@@ -27,13 +30,14 @@ pub struct CiRun {
 /// LTS under KASAN, lockdep and fault injection), the programs that touch the pages and the
 /// data where only the page kind differs, and single programs where a configuration proves
 /// one thing.
-pub const CI_RUNS: [CiRun; 6] = [
+pub const CI_RUNS: [CiRun; 7] = [
     CiRun {
         kernel: "debian:6.12",
         pages: "auto",
         exporter: "vgpu",
         iommu: false,
         only: &[],
+        comparator: None,
         proves: "the LTS users run: GENERIC pages (no CONFIG_PCI_P2PDMA), everything",
     },
     CiRun {
@@ -42,6 +46,7 @@ pub const CI_RUNS: [CiRun; 6] = [
         exporter: "vgpu",
         iommu: false,
         only: &[],
+        comparator: None,
         proves: "the newest kernel: P2PDMA pages, DMABUF_DEBUG, everything",
     },
     CiRun {
@@ -57,6 +62,7 @@ pub const CI_RUNS: [CiRun; 6] = [
             "fgds_gate",
             "fgds_fault_gpu_unplug",
         ],
+        comparator: None,
         proves: "GENERIC pages (2 MiB mappings) on the newest kernel's mm and block layer: the \
                  programs that map, move, revoke and unplug pages",
     },
@@ -66,6 +72,7 @@ pub const CI_RUNS: [CiRun; 6] = [
         exporter: "vgpu",
         iommu: false,
         only: &[],
+        comparator: None,
         proves: "KASAN, lockdep, kmemleak and fault injection (built once from linux-source, \
                  about 12 minutes on 2 cores, then cached), everything",
     },
@@ -75,7 +82,9 @@ pub const CI_RUNS: [CiRun; 6] = [
         exporter: "vfio",
         iommu: true,
         only: &["fgds_vfio", "fgds_python"],
-        proves: "vfio-pci as the exporter (an exporter nobody here wrote), under the vIOMMU",
+        comparator: None,
+        proves: "vfio-pci as the exporter (an exporter nobody here wrote), under the vIOMMU: fgds \
+                 refuses it and leaves its P2PDMA state alone",
     },
     CiRun {
         kernel: "debian:7.3",
@@ -83,7 +92,19 @@ pub const CI_RUNS: [CiRun; 6] = [
         exporter: "vgpu",
         iommu: true,
         only: &["fgds_badinput"],
+        comparator: None,
         proves: "GENERIC pages under a translating IOMMU are refused (unsafe_setup_refused)",
+    },
+    CiRun {
+        kernel: "build:7.2+io-uring-dmabuf",
+        pages: "auto",
+        exporter: "vgpu",
+        iommu: false,
+        only: &["uring_dmabuf", "fgds_crate", "fgds_python"],
+        comparator: Some("io-uring-dmabuf-v3"),
+        proves: "the upstream design (Begunkov's io_uring dma-buf series, built from \
+                 ../shared/comparators/, about 7 minutes once): the kernel's dma-buf buffers \
+                 through the series and through the crate's and Python's path",
     },
 ];
 
@@ -184,6 +205,7 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
                 exporter: "vgpu",
                 iommu: false,
                 only: &[],
+                comparator: None,
                 proves: "given on the command line",
             })
             .collect();
@@ -210,6 +232,22 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
             if run.iommu { " iommu" } else { "" }
         );
         eprintln!("ci: {label}: {}", run.proves);
+        if let Some(series) = run.comparator {
+            let dir = kernel::comparators_dir().join(series);
+            if !dir.is_dir() {
+                let why = format!(
+                    "the comparator series {} is not on this machine (set FGDS_COMPARATORS to \
+                     the folder that holds {series}/)",
+                    dir.display()
+                );
+                eprintln!("ci: {label}: skipped: {why}");
+                outcomes.push(Outcome {
+                    name: format!("{}::run", run.kernel),
+                    verdict: Verdict::Skip(why),
+                });
+                continue;
+            }
+        }
         let result = stage(&mut stages, &label, || vm::run_kernel(&vm_opts));
         outcomes.extend(or_failure(
             &format!("{}::run", run.kernel),

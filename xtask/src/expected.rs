@@ -767,6 +767,24 @@ mod tests {
             ..config((7, 3), p2p, Pages::Generic, false)
         };
         assert_eq!(mode(&exporter).unwrap(), Mode::ExporterP2pdma);
+        let provider = |pages, iommu| RunConfig {
+            vgpu_mode: VgpuMode::Provider,
+            ..config((7, 3), p2p, pages, iommu)
+        };
+        assert_eq!(mode(&provider(Pages::Auto, false)).unwrap(), Mode::Generic);
+        assert_eq!(mode(&provider(Pages::Auto, true)).unwrap(), Mode::Refused);
+        assert_eq!(
+            mode(&provider(Pages::P2pdma, false)).unwrap(),
+            Mode::Refused
+        );
+        let old = RunConfig {
+            vgpu_mode: VgpuMode::Provider,
+            ..config((6, 12), p2p, Pages::Auto, false)
+        };
+        assert!(
+            mode(&old).is_err(),
+            "vgpu mode=provider needs 6.19 or later"
+        );
         let impossible = RunConfig {
             vgpu_mode: VgpuMode::P2pdma,
             ..config((6, 12), &[], Pages::Auto, false)
@@ -781,7 +799,9 @@ mod tests {
             ..config((7, 2), configs, Pages::Auto, iommu)
         };
         let full = &["CONFIG_PCI_P2PDMA", "CONFIG_VFIO_PCI_DMABUF"];
-        assert_eq!(mode(&vfio(full, true)).unwrap(), Mode::P2pdma);
+        // vfio-pci keeps P2PDMA state of its own: fgds adds no pages to it, and refuses
+        // GENERIC ones under the IOMMU that vfio needs.
+        assert_eq!(mode(&vfio(full, true)).unwrap(), Mode::Refused);
         let err = format!("{:#}", mode(&vfio(full, false)).unwrap_err());
         assert!(err.contains("--iommu"), "{err}");
         let err = format!(

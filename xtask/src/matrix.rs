@@ -25,6 +25,7 @@ const DEFAULT_RUNS: &[(&str, bool, &str)] = &[
     ("debian:7.3", false, "vgpu"),
     ("build:6.12+debug", false, "vgpu"),
     ("build:7.2+debug", false, "vgpu"),
+    ("build:7.2+io-uring-dmabuf", false, "vgpu"),
     ("debian:7.2", true, "vfio"),
     ("debian:7.3", true, "vfio"),
 ];
