@@ -499,3 +499,36 @@ pub fn reuse_and_check(bar_off: u64, len: u64, seed: u64) -> anyhow::Result<()> 
     ctl::gpu_check(bar_off, len, seed)
         .context("the host's look at GPU memory after the exporter reused it")
 }
+
+/// The block device of the drive with controller serial `serial`, namespace 1.
+pub fn drive_by_serial(serial: &str) -> Option<std::path::PathBuf> {
+    for entry in std::fs::read_dir("/sys/block").ok()?.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("nvme") || name.contains('c') || name.contains('p') {
+            continue;
+        }
+        let read = |attr: &str| {
+            std::fs::read_to_string(entry.path().join(attr))
+                .unwrap_or_default()
+                .trim()
+                .to_owned()
+        };
+        if read("device/serial") == serial && read("nsid") == "1" {
+            let dev = std::path::Path::new("/dev").join(&name);
+            if dev.exists() {
+                return Some(dev);
+            }
+        }
+    }
+    None
+}
+
+/// Puts `seed`'s pattern at the start of the drive `path` (O_DIRECT).
+pub fn write_nvme2_pattern(path: &std::path::Path, seed: u64, len: usize) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let file = fgds_tests::guest::open_direct(path, true)?;
+    let mut ram = fgds_tests::guest::AlignedBuf::new(len)?;
+    fgds_tests::pattern::fill(seed, 0, ram.as_mut_slice());
+    file.write_all_at(ram.as_slice(), 0)?;
+    Ok(())
+}

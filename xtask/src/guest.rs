@@ -208,6 +208,9 @@ pub const VFIO_MODULES: &[(&str, &str)] = &[
     ("vfio_pci", ""),
 ];
 
+/// [`VFIO_MODULES`]'s parameters for a kernel that has vfio built in, on its command line.
+pub const VFIO_BUILTIN_PARAMS: &str = "vfio_iommu_type1.allow_unsafe_interrupts=1";
+
 /// How the guest is set up before its tests run, besides the suite.
 pub struct GuestSetup<'a> {
     /// The rig's own modules, loaded last.

@@ -413,7 +413,15 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
     let config = machine::Config {
         kernel: kernel.vmlinuz.clone(),
         initrd: initrd.clone(),
-        cmdline: opts.append.clone(),
+        // Where vfio is built in (the comparator kernel), its type1 parameter comes from the
+        // command line; where it is a module the init passes it at load (VFIO_MODULES).
+        cmdline: if run_config.exporter == expected::Exporter::Vfio {
+            format!("{} {}", opts.append, guest::VFIO_BUILTIN_PARAMS)
+                .trim()
+                .to_owned()
+        } else {
+            opts.append.clone()
+        },
         accel: match (opts.accel, opts.tcg_threads) {
             (AccelArg::Tcg, TcgThreadsArg::Single) => Accel::Tcg(TcgThreads::Single),
             (AccelArg::Tcg, TcgThreadsArg::Multi) => Accel::Tcg(TcgThreads::Multi),

@@ -15,7 +15,7 @@ mod fault;
 use std::fs::File;
 use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -45,34 +45,11 @@ fn main() {
     }])
 }
 
-/// The block device of the drive with controller serial `serial`, namespace 1.
-fn drive_by_serial(serial: &str) -> Option<PathBuf> {
-    for entry in std::fs::read_dir("/sys/block").ok()?.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if !name.starts_with("nvme") || name.contains('c') || name.contains('p') {
-            continue;
-        }
-        let read = |attr: &str| {
-            std::fs::read_to_string(entry.path().join(attr))
-                .unwrap_or_default()
-                .trim()
-                .to_owned()
-        };
-        if read("device/serial") == serial && read("nsid") == "1" {
-            let dev = Path::new("/dev").join(&name);
-            if dev.exists() {
-                return Some(dev);
-            }
-        }
-    }
-    None
-}
-
 fn nvme2_path() -> anyhow::Result<PathBuf> {
     let env = std::env::var_os("FGDS_NVME2")
         .map(PathBuf::from)
         .context("FGDS_NVME2 is not set: run inside the rig")?;
-    match drive_by_serial(NVME2_SERIAL) {
+    match fault::drive_by_serial(NVME2_SERIAL) {
         Some(dev) if dev == env => {
             // Rebound by an earlier program (fgds_revoke), the drive's queue may merge again.
             guest::no_merges(&dev)?;
@@ -195,10 +172,11 @@ fn nvme_unplug_during_direct_io() -> CaseResult {
             fault::wait_until(
                 "the replugged drive's block device",
                 Duration::from_secs(30),
-                || Ok(drive_by_serial(NVME2_SERIAL).is_some()),
+                || Ok(fault::drive_by_serial(NVME2_SERIAL).is_some()),
             )?;
             // A new queue merges again: fgds's reads of it need nomerges 2 (gate.c).
-            let dev = drive_by_serial(NVME2_SERIAL).context("the replugged drive went away")?;
+            let dev =
+                fault::drive_by_serial(NVME2_SERIAL).context("the replugged drive went away")?;
             guest::no_merges(&dev)
         })
     } else {
@@ -265,7 +243,7 @@ fn nvme_unplug_during_direct_io() -> CaseResult {
 
     // The drive came back with its data, and works with fgds.
     replug.context("plugging the second drive back")?;
-    let back = drive_by_serial(NVME2_SERIAL).context("the replugged drive vanished")?;
+    let back = fault::drive_by_serial(NVME2_SERIAL).context("the replugged drive vanished")?;
     let file: File = fgds::open_direct(&back, false)?;
     t.run(Direction::Read, &buffer, 0..LEN as usize, &file, 0)
         .context("reading the replugged drive into the buffer")?;

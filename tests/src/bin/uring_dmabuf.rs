@@ -11,6 +11,8 @@
 mod common;
 #[path = "../fgds_fault_common.rs"]
 mod fault;
+#[path = "../vfio.rs"]
+mod vfio;
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
@@ -30,10 +32,21 @@ const TAG: &str = "uring_dmabuf";
 const HOLD: Duration = Duration::from_secs(2);
 
 fn main() {
-    fgds_tests::guest::skip_unless_vgpu();
     if let Err(not) = fgds::upstream::supported() {
         println!("KTAP version 1\n1..0 # SKIP {}", not.reason);
         std::process::exit(4);
+    }
+    if fgds_tests::guest::exporter() == "vfio" {
+        ktap::run(&[
+            Case {
+                name: "vfio_data_both_ways",
+                run: vfio_data_both_ways,
+            },
+            Case {
+                name: "vfio_reset_waits_for_a_held_read",
+                run: vfio_reset_waits_for_a_held_read,
+            },
+        ])
     }
     ktap::run(&[
         Case {
@@ -60,14 +73,182 @@ fn main() {
             name: "split_request_lets_the_dmabuf_go",
             run: split_request_lets_the_dmabuf_go,
         },
+        Case {
+            name: "nvme_unplug_during_reads",
+            run: nvme_unplug_during_reads,
+        },
+        Case {
+            name: "gpu_unplug_during_reads",
+            run: gpu_unplug_during_reads,
+        },
     ])
 }
 
+/// QEMU's id of the second drive's controller, how to plug it back (the rig's own arguments),
+/// and its serial.
+const NVME2_ID: &str = "nvme1";
+const NVME2_ADD: &str = "nvme,id=nvme1,serial=fgds1,drive=nvme1-disk,bus=dn2";
+const NVME2_SERIAL: &str = "fgds1";
+/// How long a reader may take to end once a device's removal completed.
+const BOUND: Duration = Duration::from_secs(10);
+
+/// How a reader ended: full reads, then the error.
+type Ended = (u32, fgds::Error);
+
+/// Reads `len` bytes of `path` at 0 into `dmabuf` through the series, over and over, until a
+/// read fails; sends how it ended.
+fn read_until_error(
+    dmabuf: std::os::fd::OwnedFd,
+    len: usize,
+    path: std::path::PathBuf,
+) -> std::sync::mpsc::Receiver<Ended> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let run = || -> Result<Ended, fgds::Error> {
+            let file = fgds::open_direct(&path, false)?;
+            let mut t = Transfer::new(CONFIG)?;
+            let mut ok = 0;
+            loop {
+                match t.run_dmabuf(Direction::Read, dmabuf.as_fd(), 0..len, &file, 0) {
+                    Ok(_) => ok += 1,
+                    Err(err) => return Ok((ok, err)),
+                }
+            }
+        };
+        let ended = run().unwrap_or_else(|err| (0, err));
+        let _ = tx.send(ended);
+    });
+    rx
+}
+
+/// The errno of a reader's end: EIO, ENODEV or ENXIO, or a short read (the namespace's capacity
+/// dropped to 0 during its removal).
+fn unplug_ending(err: &fgds::Error) -> bool {
+    matches!(err, fgds::Error::ShortTransfer { .. })
+        || [libc::EIO, libc::ENODEV, libc::ENXIO].contains(&err.errno())
+}
+
+/// The second drive is removed while reads from it into vgpu memory run through the series:
+/// the reader ends with an errno within a bound, the same dma-buf then takes reads from the
+/// first drive through the series, the replugged drive works too, and once the ring and the
+/// dma-buf are closed the NVMe driver (whose controller went away holding a map of the
+/// dma-buf) has let it go.
+fn nvme_unplug_during_reads() -> CaseResult {
+    const LEN: u64 = 8 * MIB;
+    const SEED: u64 = 0x5544_4e32;
+    fault::require_idle()?;
+    let nvme2 = fault::drive_by_serial(NVME2_SERIAL)
+        .with_context(|| format!("no drive of serial {NVME2_SERIAL}"))?;
+    fault::write_nvme2_pattern(&nvme2, SEED, LEN as usize)?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    let ended = read_until_error(dmabuf.try_clone()?, LEN as usize, nvme2);
+    std::thread::sleep(Duration::from_millis(500));
+    fault::host_log(&format!(
+        "uring_dmabuf: device_del {NVME2_ID} with reads from it into a dma-buf in flight"
+    ))?;
+    let removed = ctl::device_del(NVME2_ID);
+    let end = ended.recv_timeout(BOUND);
+    let replug = if removed.is_ok() {
+        ctl::device_add(NVME2_ADD).and_then(|_| {
+            fault::wait_until("the replugged drive", Duration::from_secs(30), || {
+                Ok(fault::drive_by_serial(NVME2_SERIAL).is_some())
+            })
+            .map(drop)
+        })
+    } else {
+        Ok(())
+    };
+    removed.context("device_del of the second drive")?;
+    let (ok, err) = end.map_err(|_| {
+        anyhow::anyhow!("the reader did not end within {BOUND:?} of the drive's removal")
+    })?;
+    ktap::diag(format_args!("the reader: {ok} full reads, then {err}"));
+    ensure!(
+        ok > 0,
+        "the reader never completed a read before the unplug"
+    );
+    ensure!(
+        unplug_ending(&err),
+        "the reader ended with {err}, want EIO, ENODEV, ENXIO or a short read"
+    );
+    // The dma-buf still works through the series, with the first drive.
+    let nvme = common::nvme(false)?;
+    let mut t = transfer()?;
+    t.run_dmabuf(Direction::Read, dmabuf.as_fd(), 0..LEN as usize, &nvme, 0)
+        .context("reading FGDS_NVME into the dma-buf after the unplug")?;
+    ctl::gpu_check(bar_off, LEN, pattern::NVME_SEED).context("after reading FGDS_NVME")?;
+    replug.context("plugging the second drive back")?;
+    let back = fault::drive_by_serial(NVME2_SERIAL).context("the replugged drive vanished")?;
+    let file = fgds::open_direct(&back, false)?;
+    t.run_dmabuf(Direction::Read, dmabuf.as_fd(), 0..LEN as usize, &file, 0)
+        .context("reading the replugged drive into the dma-buf")?;
+    ctl::gpu_check(bar_off, LEN, SEED).context("after reading the replugged drive")?;
+    drop(t);
+    drop(dmabuf);
+    fault::wait_vgpu_buffers_gone(
+        "after the case: every NVMe controller, the removed one too, let the dma-buf go",
+    )?;
+    ktap::pass()
+}
+
+/// The GPU is removed while reads into its memory run through the series: vgpu's removal
+/// revokes the dma-buf and waits for the NVMe driver to unmap it; the reader ends with an
+/// errno within a bound, the removal completes, and after the GPU is plugged back data moves
+/// both ways through the series again.
+fn gpu_unplug_during_reads() -> CaseResult {
+    const LEN: u64 = 8 * MIB;
+    fault::require_idle()?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, _) = common::alloc(&vgpu, LEN)?;
+    drop(vgpu);
+    let ended = read_until_error(
+        dmabuf.try_clone()?,
+        LEN as usize,
+        fgds_tests::guest::nvme_path()?,
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    fault::host_log("uring_dmabuf: device_del of the GPU with reads into its memory in flight")?;
+    let started = Instant::now();
+    let removed = ctl::device_del(ctl::GPU_ID);
+    let took = started.elapsed();
+    let end = ended.recv_timeout(BOUND);
+    drop(dmabuf);
+    let added = ctl::gpu_add().and_then(|_| {
+        fault::wait_until(
+            "vgpu and fgds's node after gpu_add",
+            Duration::from_secs(30),
+            || Ok(common::node_path().is_ok()),
+        )
+        .map(drop)
+    });
+    removed.context("device_del of the GPU")?;
+    ktap::diag(format_args!("device_del of the GPU took {took:?}"));
+    let (ok, err) = end.map_err(|_| {
+        anyhow::anyhow!("the reader did not end within {BOUND:?} of the GPU's removal")
+    })?;
+    ktap::diag(format_args!("the reader: {ok} full reads, then {err}"));
+    ensure!(
+        ok > 0,
+        "the reader never completed a read before the unplug"
+    );
+    ensure!(
+        [libc::EIO, libc::ENODEV, libc::EFAULT, libc::ENXIO].contains(&err.errno()),
+        "the reader ended with {err}, want EIO, ENODEV, EFAULT or ENXIO"
+    );
+    added.context("plugging the GPU back")?;
+    data_both_ways_without_fgds().context("through the series after the GPU came back")?;
+    ktap::pass()
+}
+
+/// Requests of 512 KiB (what the rig's drive takes at once), four in flight.
+const CONFIG: TransferConfig = TransferConfig {
+    chunk_size: 512 * 1024,
+    queue_depth: 4,
+};
+
 fn transfer() -> anyhow::Result<Transfer> {
-    Ok(Transfer::new(TransferConfig {
-        chunk_size: 512 * 1024,
-        queue_depth: 4,
-    })?)
+    Ok(Transfer::new(CONFIG)?)
 }
 
 /// fgds's registrations on the GPU: none may appear while the kernel's path runs.
@@ -351,5 +532,123 @@ fn clearing_o_direct_after_registration() -> CaseResult {
     drop(nvme);
     drop(dmabuf);
     fault::wait_vgpu_buffers_gone("after the case")?;
+    ktap::pass()
+}
+
+/// Where the vfio cases put their dma-bufs in BAR2.
+const VFIO_BAR: u64 = 16 * MIB;
+
+/// vfio-pci as the exporter under the vIOMMU: a read of the drive's pattern into a BAR2 range
+/// exported by vfio and a write of it back, by the NVMe driver importing vfio's dma-buf (vfio
+/// judges the NVMe's path and maps it through the IOMMU): the host finds the bytes in GPU
+/// memory, and the drive holds them after the write.
+fn vfio_data_both_ways() -> CaseResult {
+    const LEN: u64 = 4 * MIB;
+    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
+    let group = vfio::Group::open()?;
+    let dev = group.device()?;
+    dev.fill(VFIO_BAR, LEN, SEED_SENTINEL)?;
+    let dmabuf = dev.export_rw(&[(VFIO_BAR, LEN)])?;
+    let nvme = common::nvme(true)?;
+    let mut t = transfer()?;
+    let n = t.run_dmabuf(
+        Direction::Read,
+        dmabuf.as_fd(),
+        0..LEN as usize,
+        &nvme,
+        SCRATCH,
+    )?;
+    ensure!(n == LEN as usize, "the read moved {n} of {LEN} bytes");
+    ensure!(
+        t.last_run_path() == Some(fgds::TransferPath::KernelDmabuf),
+        "the read went {:?}",
+        t.last_run_path()
+    );
+    ctl::gpu_check(VFIO_BAR, LEN, SEED_READ).context("GPU memory after the read")?;
+    let n = t.run_dmabuf(
+        Direction::Write,
+        dmabuf.as_fd(),
+        0..LEN as usize,
+        &nvme,
+        SCRATCH + LEN,
+    )?;
+    ensure!(n == LEN as usize, "the write moved {n} of {LEN} bytes");
+    let mut back = AlignedBuf::new(LEN as usize)?;
+    nvme.read_exact_at(back.as_mut_slice(), SCRATCH + LEN)?;
+    if let Some(at) = pattern::first_mismatch(SEED_READ, 0, back.as_slice()) {
+        bail!("the drive's byte {at:#x} differs after the write from vfio's dma-buf");
+    }
+    ktap::pass()
+}
+
+/// vfio's reset revokes the dma-buf while a read into it is held in the drive: the reset
+/// returns only after the held read ended (vfio waits for the series' fence), and once it has,
+/// no DMA reaches the memory: the sentinel vfio's user writes then stays.
+fn vfio_reset_waits_for_a_held_read() -> CaseResult {
+    const LEN: u64 = 4 * MIB;
+    fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
+    let group = vfio::Group::open()?;
+    let dev = std::sync::Arc::new(group.device()?);
+    dev.fill(VFIO_BAR, LEN, SEED_SENTINEL)?;
+    let dmabuf = dev.export_rw(&[(VFIO_BAR, LEN)])?;
+    let nvme = common::nvme(false)?;
+    // A first read maps the dma-buf, so that the held one uses the map.
+    let mut t = transfer()?;
+    t.run_dmabuf(Direction::Read, dmabuf.as_fd(), 0..4096, &nvme, SCRATCH)?;
+    let bp = common::Breakpoint::arm(TAG)?;
+    let reader = {
+        let fd = dmabuf.try_clone()?;
+        std::thread::spawn(move || {
+            t.run_dmabuf(Direction::Read, fd.as_fd(), 0..LEN as usize, &nvme, SCRATCH)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    ensure!(
+        !reader.is_finished(),
+        "the read was not held by the breakpoint"
+    );
+    fault::host_log("uring_dmabuf: vfio resets the GPU with a read held in the drive")?;
+    let started = Instant::now();
+    let resetter = {
+        let dev = dev.clone();
+        std::thread::spawn(move || dev.reset())
+    };
+    std::thread::sleep(HOLD);
+    let returned_early = resetter.is_finished();
+    bp.resume()?;
+    let read = fault::join(reader, "read")?;
+    fault::join(resetter, "reset")?.context("reset")?;
+    let took = started.elapsed();
+    ktap::diag(format_args!(
+        "the held read ended with {read:?}; the reset took {took:?}"
+    ));
+    ensure!(
+        !returned_early,
+        "vfio's reset returned while a read into its dma-buf was held in the drive: the \
+         exporter got its memory back with DMA still to come"
+    );
+    // The memory is vfio's user's again: what it writes now must stay.
+    dev.fill(VFIO_BAR, LEN, SEED_SENTINEL)?;
+    std::thread::sleep(Duration::from_millis(200));
+    ctl::gpu_check(VFIO_BAR, LEN, SEED_SENTINEL)
+        .context("GPU memory after the reset and the user's rewrite: DMA landed late")?;
+    // The revoked dma-buf takes no more reads; a new export does.
+    let mut t = transfer()?;
+    let nvme = common::nvme(false)?;
+    ensure!(
+        t.run_dmabuf(Direction::Read, dmabuf.as_fd(), 0..4096, &nvme, SCRATCH)
+            .is_err(),
+        "a read into the revoked dma-buf succeeded"
+    );
+    let fresh = dev.export_rw(&[(VFIO_BAR, LEN)])?;
+    t.run_dmabuf(
+        Direction::Read,
+        fresh.as_fd(),
+        0..LEN as usize,
+        &nvme,
+        SCRATCH,
+    )
+    .context("a read into a new export after the reset")?;
+    ctl::gpu_check(VFIO_BAR, LEN, SEED_READ).context("after the read into the new export")?;
     ktap::pass()
 }

@@ -82,7 +82,10 @@ pub(super) fn prepare(
     host::ensure(host::BUILD, &host_log)?;
     let apt = apt::open(cache_dir)?;
     let (package, version) = source::pick(&apt, series)?;
-    let fragments = fragments(debug);
+    let mut fragments = fragments(debug);
+    for name in spec_patches(&spec) {
+        fragments.extend(change_fragment(name)?);
+    }
     let settings = kconfig::settings(&fragments)?;
     let toolchain = toolchain()?;
     let mut parts = vec![RECIPE, &package, &version, &toolchain];
@@ -259,6 +262,30 @@ fn patched_tree(src: &Path, root: &Path, patches: &[Patch], log: &Path) -> anyho
     fs::write(&marker, names.join("+"))
         .with_context(|| format!("cannot write {}", marker.display()))?;
     Ok(tree)
+}
+
+fn spec_patches(spec: &KernelSpec) -> &[String] {
+    match spec {
+        KernelSpec::Build { patches, .. } => patches,
+        _ => &[],
+    }
+}
+
+/// A kernel change's own config fragment (`kernel-patches/<change>/kernel.config`: what its code
+/// or its tests need beyond base.config), merged after the rig's, so that only the kernels
+/// built with the change carry it (and only their cache keys change).
+fn change_fragment(name: &str) -> anyhow::Result<Option<kconfig::Fragment>> {
+    let path = super::kernel_patches_dir().join(name).join("kernel.config");
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text =
+        fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    // The build lives as long as the process: leaking two strings gives them 'static.
+    Ok(Some(kconfig::Fragment {
+        name: Box::leak(format!("kernel-patches/{name}/kernel.config").into_boxed_str()),
+        text: Box::leak(text.into_boxed_str()),
+    }))
 }
 
 fn fragments(debug: bool) -> Vec<kconfig::Fragment> {
