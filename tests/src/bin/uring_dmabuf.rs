@@ -363,22 +363,7 @@ fn held_read_never_lands_after_revocation() -> CaseResult {
     let vgpu = common::vgpu()?;
     let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
     fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
-    let nvme = common::nvme(false)?;
-    // A first read maps the dma-buf, so that the held one uses the map.
-    let mut t = transfer()?;
-    t.run_dmabuf(Direction::Read, dmabuf.as_fd(), 0..4096, &nvme, SCRATCH)?;
-    let bp = common::Breakpoint::arm(TAG)?;
-    let reader = {
-        let fd = dmabuf.try_clone()?;
-        std::thread::spawn(move || {
-            t.run_dmabuf(Direction::Read, fd.as_fd(), 0..LEN as usize, &nvme, SCRATCH)
-        })
-    };
-    std::thread::sleep(Duration::from_millis(500));
-    ensure!(
-        !reader.is_finished(),
-        "the read was not held by the breakpoint"
-    );
+    let (bp, reader) = start_held_read(&dmabuf, LEN as usize)?;
     fault::host_log("uring_dmabuf: vgpu revokes a dma-buf with a read held in the drive")?;
     let started = Instant::now();
     let revoker = std::thread::spawn(move || common::revoke(bar_off));
@@ -399,6 +384,32 @@ fn held_read_never_lands_after_revocation() -> CaseResult {
     drop(dmabuf);
     fault::wait_vgpu_buffers_gone("after the case: the NVMe driver let the dma-buf go")?;
     ktap::pass()
+}
+
+/// A read of `len` bytes of the drive's scratch area into `dmabuf` through the series, held in
+/// the drive by a blkdebug breakpoint (a first small read has mapped the dma-buf, so that the
+/// held one uses the map): resume the breakpoint to let it end.
+fn start_held_read(
+    dmabuf: &std::os::fd::OwnedFd,
+    len: usize,
+) -> anyhow::Result<(
+    common::Breakpoint,
+    std::thread::JoinHandle<Result<usize, fgds::Error>>,
+)> {
+    let nvme = common::nvme(false)?;
+    let mut t = transfer()?;
+    t.run_dmabuf(Direction::Read, dmabuf.as_fd(), 0..4096, &nvme, SCRATCH)?;
+    let bp = common::Breakpoint::arm(TAG)?;
+    let fd = dmabuf.try_clone()?;
+    let reader = std::thread::spawn(move || {
+        t.run_dmabuf(Direction::Read, fd.as_fd(), 0..len, &nvme, SCRATCH)
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    ensure!(
+        !reader.is_finished(),
+        "the read was not held by the breakpoint"
+    );
+    Ok((bp, reader))
 }
 
 /// A read over the drive's failing sector ends with its error, not with success or a hang.
@@ -593,22 +604,7 @@ fn vfio_reset_waits_for_a_held_read() -> CaseResult {
     let dev = std::sync::Arc::new(group.device()?);
     dev.fill(VFIO_BAR, LEN, SEED_SENTINEL)?;
     let dmabuf = dev.export_rw(&[(VFIO_BAR, LEN)])?;
-    let nvme = common::nvme(false)?;
-    // A first read maps the dma-buf, so that the held one uses the map.
-    let mut t = transfer()?;
-    t.run_dmabuf(Direction::Read, dmabuf.as_fd(), 0..4096, &nvme, SCRATCH)?;
-    let bp = common::Breakpoint::arm(TAG)?;
-    let reader = {
-        let fd = dmabuf.try_clone()?;
-        std::thread::spawn(move || {
-            t.run_dmabuf(Direction::Read, fd.as_fd(), 0..LEN as usize, &nvme, SCRATCH)
-        })
-    };
-    std::thread::sleep(Duration::from_millis(500));
-    ensure!(
-        !reader.is_finished(),
-        "the read was not held by the breakpoint"
-    );
+    let (bp, reader) = start_held_read(&dmabuf, LEN as usize)?;
     fault::host_log("uring_dmabuf: vfio resets the GPU with a read held in the drive")?;
     let started = Instant::now();
     let resetter = {
