@@ -108,6 +108,57 @@ enum Refusal {
     During(Error),
 }
 
+/// How a transfer splits around the blocks `O_DIRECT` moves: `head` bytes up to the file's
+/// first block boundary and `tail` bytes after the last whole block go through host RAM, the
+/// `body` of whole blocks between them goes direct. A safetensors tensor at any offset of its
+/// file is then direct but for less than two blocks, provided its memory sits at the same
+/// place in a block as its offset in the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Split {
+    head: u64,
+    body: u64,
+    tail: u64,
+}
+
+impl Split {
+    /// The split of `n` bytes at `file_offset` into memory at address (or dma-buf offset)
+    /// `mem_addr`, or why there is no direct body: the two sit at different places in their
+    /// blocks (`O_DIRECT` needs both on a boundary at once), or no whole block fits.
+    fn new(
+        align: u64,
+        n: u64,
+        file_offset: u64,
+        mem_addr: u64,
+    ) -> std::result::Result<Split, String> {
+        let (f, m) = (file_offset % align, mem_addr % align);
+        if f != m {
+            return Err(format!(
+                "file offset {file_offset:#x} is {f} bytes into a {align}-byte block and the GPU \
+                 memory {m} bytes: O_DIRECT needs both on a block boundary at once, so put the \
+                 memory {f} bytes past a boundary (GpuFile::phase)"
+            ));
+        }
+        let head = ((align - f) % align).min(n);
+        let body = (n - head) / align * align;
+        if body == 0 && n > 0 {
+            return Err(format!(
+                "{n} bytes at file offset {file_offset:#x} fill no whole {align}-byte block, the \
+                 least O_DIRECT moves"
+            ));
+        }
+        Ok(Split {
+            head,
+            body,
+            tail: n - head - body,
+        })
+    }
+
+    /// Bytes through host RAM.
+    fn edges(self) -> u64 {
+        self.head + self.tail
+    }
+}
+
 /// An open file for transfers to and from GPU memory.
 pub struct GpuFile {
     path: PathBuf,
@@ -176,6 +227,14 @@ impl GpuFile {
         self.align
     }
 
+    /// Where in a block of [`GpuFile::alignment`] the memory of a transfer at `file_offset`
+    /// must start for all but its first and last partial blocks to go direct. A loader reading
+    /// a region at an arbitrary offset (a safetensors file's tensors start at 8 + the header's
+    /// length) allocates this many bytes more and reads into its memory at this offset.
+    pub fn phase(&self, file_offset: u64) -> u64 {
+        file_offset % self.align
+    }
+
     /// Why the file has no `O_DIRECT` descriptor; `None` when it has one.
     pub fn not_direct(&self) -> Option<&NotDirect> {
         self.direct.as_ref().err()
@@ -198,38 +257,37 @@ impl GpuFile {
         Ok(self.len()? == 0)
     }
 
-    /// Whether transfers between this file at `file_offset` and `mem` at `mem_offset` can go
-    /// direct, or why not.
-    pub fn plan(
+    /// Whether a transfer of `n` bytes between this file at `file_offset` and `mem` at
+    /// `mem_offset` can go direct through fgds, or why not: the memory's registration, and how
+    /// the transfer splits around the blocks `O_DIRECT` moves ([`Split`]).
+    fn plan(
         &self,
         mem: &dyn GpuMemory,
+        n: u64,
         file_offset: u64,
         mem_offset: u64,
-    ) -> std::result::Result<DirectRange, NotDirect> {
+    ) -> std::result::Result<(DirectRange, Split), NotDirect> {
         let range = mem.direct()?;
         if let Err(not) = &self.direct {
             return Err(not.clone());
         }
-        let align = self.align;
-        if !file_offset.is_multiple_of(align) {
-            return Err(NotDirect::new(
+        let split = self.split(n, file_offset, range.offset + mem_offset)?;
+        Ok((range, split))
+    }
+
+    /// [`Split::new`] with this file's alignment, its refusal as a [`NotDirect`].
+    fn split(
+        &self,
+        n: u64,
+        file_offset: u64,
+        mem_addr: u64,
+    ) -> std::result::Result<Split, NotDirect> {
+        Split::new(self.align, n, file_offset, mem_addr).map_err(|why| {
+            NotDirect::new(
                 libc::EINVAL,
-                format!(
-                    "file offset {file_offset:#x} is not a multiple of {}'s O_DIRECT alignment ({align} bytes)",
-                    self.path.display()
-                ),
-            ));
-        }
-        if !(range.offset + mem_offset).is_multiple_of(align) {
-            return Err(NotDirect::new(
-                libc::EINVAL,
-                format!(
-                    "the GPU memory address at offset {mem_offset:#x} is not a multiple of {}'s O_DIRECT alignment ({align} bytes)",
-                    self.path.display()
-                ),
-            ));
-        }
-        Ok(range)
+                format!("{} ({})", why, self.path.display()),
+            )
+        })
     }
 
     /// Reads up to `size` bytes of the file at `file_offset` into `mem` at `mem_offset`; fewer
@@ -305,7 +363,7 @@ impl GpuFile {
             Direction::Read => size.min(self.len()?.saturating_sub(file_offset)),
             Direction::Write => size,
         };
-        let plan = self.plan(mem, file_offset, mem_offset);
+        let plan = self.plan(mem, n, file_offset, mem_offset);
         self.run(dir, mem, n, file_offset, mem_offset, plan, fallback)
     }
 
@@ -317,42 +375,42 @@ impl GpuFile {
         n: u64,
         file_offset: u64,
         mem_offset: u64,
-        plan: std::result::Result<DirectRange, NotDirect>,
+        plan: std::result::Result<(DirectRange, Split), NotDirect>,
         fallback: bool,
     ) -> Result<Completion> {
         if n > 0 {
             mem.synchronize()?;
         }
-        let aligned = n / self.align * self.align;
         // The kernel's own dma-buf buffers first; where they are not there, why, unless no
         // kernel here has them at all (then fgds's reason alone is the news).
-        let kernel = match self.kernel_plan(mem, file_offset, mem_offset) {
-            Ok((fd, start)) if aligned > 0 => {
-                match self.run_kernel(dir, fd, start, aligned, file_offset) {
+        let kernel = match self.kernel_plan(mem, n, file_offset, mem_offset) {
+            Ok((fd, start, split)) => {
+                let body = |at: u64, len: u64| {
+                    self.run_kernel(dir, fd, start + at, len, file_offset + at)
+                };
+                match self.run_split(dir, mem, file_offset, mem_offset, n, split, body) {
                     Ok(()) => {
-                        let tail = n - aligned;
-                        self.bounce(dir, mem, file_offset + aligned, mem_offset + aligned, tail)
-                            .map_err(|e| shifted(e, aligned, n))?;
                         return Ok(Completion {
                             bytes: n,
                             path: IoPath::UringDmabuf,
                             reason: None,
-                            bounced: tail,
+                            bounced: split.edges(),
                         });
                     }
                     Err(Refusal::Before(not)) => Some(not),
-                    Err(Refusal::During(err)) => return Err(shifted(err, 0, n)),
+                    Err(Refusal::During(err)) => return Err(err),
                 }
             }
-            Ok(_) => None,
             Err(not) => (not.errno != 0).then_some(not),
         };
         let not_kernel = |reason: String| match &kernel {
-            Some(k) => format!("{reason} (not uring-dmabuf either: {})", k.reason),
-            None => reason,
+            Some(k) if k.reason != reason => {
+                format!("{reason} (not uring-dmabuf either: {})", k.reason)
+            }
+            _ => reason,
         };
-        let range = match plan {
-            Ok(range) => range,
+        let (range, split) = match plan {
+            Ok(planned) => planned,
             Err(not) if fallback => {
                 self.bounce(dir, mem, file_offset, mem_offset, n)?;
                 return Ok(Completion {
@@ -370,81 +428,91 @@ impl GpuFile {
             }
         };
         let direct = self.direct.as_ref().expect("plan checked the O_DIRECT fd");
-        if aligned == 0 && n > 0 {
-            // Nothing fills one block: O_DIRECT cannot move any of it.
-            let reason = format!(
-                "{n} bytes are less than one block of {}'s O_DIRECT alignment ({} bytes), the least O_DIRECT moves",
-                self.path.display(),
-                self.align
-            );
-            if !fallback {
-                return Err(Error::DirectUnavailable {
-                    errno: libc::EINVAL,
-                    reason,
-                });
-            }
-            self.bounce(dir, mem, file_offset, mem_offset, n)?;
-            return Ok(Completion {
+        let start = usize::try_from(range.offset + mem_offset)
+            .map_err(|_| Error::Invalid("offset past the address space".to_owned()))?;
+        let body = |at: u64, len: u64| {
+            let at_mem = start + at as usize;
+            Transfer::new(TransferConfig::DEFAULT)
+                .and_then(|mut transfer| {
+                    transfer.run(
+                        dir,
+                        &range.buffer,
+                        at_mem..at_mem + len as usize,
+                        direct,
+                        file_offset + at,
+                    )
+                })
+                .map(drop)
+                .map_err(Refusal::During)
+        };
+        match self.run_split(dir, mem, file_offset, mem_offset, n, split, body) {
+            Ok(()) => Ok(Completion {
                 bytes: n,
-                path: IoPath::Bounce,
-                reason: Some(reason),
-                bounced: n,
-            });
-        }
-        if aligned > 0 {
-            let start = usize::try_from(range.offset + mem_offset)
-                .map_err(|_| Error::Invalid("offset past the address space".to_owned()))?;
-            let moved = Transfer::new(TransferConfig::DEFAULT).and_then(|mut transfer| {
-                transfer.run(
-                    dir,
-                    &range.buffer,
-                    start..start + aligned as usize,
-                    direct,
-                    file_offset,
-                )
-            });
-            match moved {
-                Ok(_) => {}
-                Err(err) if fallback && p2p_refused(&err) => {
-                    let done = err.bytes_done();
-                    let rest = n - done;
-                    self.bounce(dir, mem, file_offset + done, mem_offset + done, rest)
-                        .map_err(|e| shifted(e, done, n))?;
-                    return Ok(Completion {
-                        bytes: n,
-                        path: IoPath::Bounce,
-                        reason: Some(format!(
-                            "the kernel refused P2P DMA between the drive and GPU {} after {done} bytes ({err}): the drive's queues or the PCIe topology do not allow it; fgds doctor says more",
-                            range.gpu
-                        )),
-                        bounced: rest,
-                    });
-                }
-                Err(err) => return Err(shifted(err, 0, n)),
+                path: IoPath::Direct,
+                reason: kernel.map(|k| format!("not uring-dmabuf: {}", k.reason)),
+                bounced: split.edges(),
+            }),
+            Err(Refusal::During(err)) if fallback && p2p_refused(&err) => {
+                let done = err.bytes_done();
+                let rest = n - done;
+                self.bounce(dir, mem, file_offset + done, mem_offset + done, rest)
+                    .map_err(|e| shifted(e, done, n))?;
+                Ok(Completion {
+                    bytes: n,
+                    path: IoPath::Bounce,
+                    reason: Some(format!(
+                        "the kernel refused P2P DMA between the drive and GPU {} after {done} bytes ({err}): the drive's queues or the PCIe topology do not allow it; fgds doctor says more",
+                        range.gpu
+                    )),
+                    bounced: rest,
+                })
             }
+            Err(Refusal::During(err)) => Err(err),
+            Err(Refusal::Before(not)) => Err(Error::DirectUnavailable {
+                errno: not.errno,
+                reason: not.reason,
+            }),
         }
-        let tail = n - aligned;
-        if tail > 0 {
-            self.bounce(dir, mem, file_offset + aligned, mem_offset + aligned, tail)
-                .map_err(|e| shifted(e, aligned, n))?;
-        }
-        Ok(Completion {
-            bytes: n,
-            path: IoPath::Direct,
-            reason: kernel.map(|k| format!("not uring-dmabuf: {}", k.reason)),
-            bounced: tail,
-        })
     }
 
-    /// Whether the kernel's dma-buf registered buffers can take a transfer between this file at
-    /// `file_offset` and `mem` at `mem_offset`: the dma-buf and the byte of it where the
-    /// memory's range starts, or why not (errno 0: this kernel has none, nothing to report).
+    /// Moves a transfer's head through RAM, its body with `body(at, len)` (bytes `at..at + len`
+    /// of the transfer, direct), then its tail through RAM. An error counts the bytes done from
+    /// the transfer's start; a refusal of the body before it moved anything is returned as it is
+    /// (the head, moved already, is moved again by the next path).
+    #[allow(clippy::too_many_arguments)]
+    fn run_split(
+        &self,
+        dir: Direction,
+        mem: &dyn GpuMemory,
+        file_offset: u64,
+        mem_offset: u64,
+        n: u64,
+        split: Split,
+        body: impl FnOnce(u64, u64) -> std::result::Result<(), Refusal>,
+    ) -> std::result::Result<(), Refusal> {
+        self.bounce(dir, mem, file_offset, mem_offset, split.head)
+            .map_err(|e| Refusal::During(shifted(e, 0, n)))?;
+        match body(split.head, split.body) {
+            Ok(()) => {}
+            Err(Refusal::During(err)) => return Err(Refusal::During(shifted(err, split.head, n))),
+            Err(before) => return Err(before),
+        }
+        let at = split.head + split.body;
+        self.bounce(dir, mem, file_offset + at, mem_offset + at, split.tail)
+            .map_err(|e| Refusal::During(shifted(e, at, n)))
+    }
+
+    /// Whether the kernel's dma-buf registered buffers can take a transfer of `n` bytes between
+    /// this file at `file_offset` and `mem` at `mem_offset`: the dma-buf, the byte of it where
+    /// the memory's range starts, and the transfer's split; or why not (errno 0: this kernel
+    /// has none, nothing to report).
     fn kernel_plan<'m>(
         &self,
         mem: &'m dyn GpuMemory,
+        n: u64,
         file_offset: u64,
         mem_offset: u64,
-    ) -> std::result::Result<(BorrowedFd<'m>, u64), NotDirect> {
+    ) -> std::result::Result<(BorrowedFd<'m>, u64, Split), NotDirect> {
         if crate::upstream::supported().is_err() {
             return Err(NotDirect::new(0, ""));
         }
@@ -458,18 +526,8 @@ impl GpuFile {
             return Err(not.clone());
         }
         let at = start + mem_offset;
-        if !file_offset.is_multiple_of(self.align) || !at.is_multiple_of(self.align) {
-            return Err(NotDirect::new(
-                libc::EINVAL,
-                format!(
-                    "file offset {file_offset:#x} or dma-buf offset {at:#x} is not a multiple \
-                     of {}'s O_DIRECT alignment ({} bytes)",
-                    self.path.display(),
-                    self.align
-                ),
-            ));
-        }
-        Ok((fd, at))
+        let split = self.split(n, file_offset, at)?;
+        Ok((fd, at, split))
     }
 
     /// `len` bytes at byte `start` of the dma-buf `fd` to or from the file at `file_offset`,
@@ -733,6 +791,43 @@ mod tests {
 
     fn data(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 7 + i / 251) as u8).collect()
+    }
+
+    /// A transfer at any offset goes direct but for its partial first and last blocks, where
+    /// the memory sits at the file offset's place in a block; elsewhere, or under one block,
+    /// the reason names the fix.
+    #[test]
+    fn split_puts_whole_blocks_direct() {
+        let s = |n, f, m| Split::new(4096, n, f, m);
+        // A safetensors body: header of 8 + 1234 bytes, memory at the same phase.
+        assert_eq!(
+            s(10_000_000, 1242, 1242),
+            Ok(Split {
+                head: 4096 - 1242,
+                body: (10_000_000 - (4096 - 1242)) / 4096 * 4096,
+                tail: (10_000_000 - (4096 - 1242)) % 4096,
+            })
+        );
+        assert_eq!(
+            s(8192, 4096, 0),
+            Ok(Split {
+                head: 0,
+                body: 8192,
+                tail: 0
+            })
+        );
+        assert_eq!(
+            s(0, 100, 100),
+            Ok(Split {
+                head: 0,
+                body: 0,
+                tail: 0
+            })
+        );
+        let why = s(1 << 20, 1242, 0).unwrap_err();
+        assert!(why.contains("GpuFile::phase"), "{why}");
+        let why = s(5000, 1242, 1242).unwrap_err();
+        assert!(why.contains("no whole"), "{why}");
     }
 
     #[test]

@@ -404,6 +404,14 @@ class File:
         """The file's O_DIRECT alignment: direct transfers need offsets that are multiples."""
         return self._native.alignment
 
+    def phase(self, file_offset: int) -> int:
+        """Where in a block of ``alignment`` bytes the memory of a transfer at ``file_offset``
+        must start for all but its partial first and last blocks to go direct: a loader reading
+        a region at any offset (a safetensors file's data starts at 8 + the header's length)
+        allocates this many bytes more and reads into its buffer at this offset."""
+        _non_negative(file_offset=file_offset)
+        return file_offset % self.alignment
+
     @property
     def why_not_direct(self) -> Optional[str]:
         """Why the file cannot take direct I/O at all (its file system); None where it can."""
