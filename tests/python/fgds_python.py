@@ -212,7 +212,7 @@ def safetensors_hf_layout_loads_direct() -> None:
         mem, bar, fd = vgpu(size)
         cpu = rig.cpu_map(fd, size)
         done = f.pread(mem, at, start, phase).get()
-    rig.diag(f"safetensors data region: {done!r}")
+    rig.diag(f"safetensors data region: {done!r}, {done.bounced} of {at} bytes through RAM")
     assert int(done) == at and done.path == "direct", f"not direct: {done!r}"
     assert done.bounced * 100 <= at, f"{done.bounced} of {at} bytes through RAM, more than 1%"
     for name, a, b in offsets:
@@ -388,7 +388,7 @@ def probe() -> None:
     if exporter != "vgpu":
         rig.skip_program(
             f"the GPU is bound to vfio-pci (--exporter {exporter}), not to vgpu, which is not "
-            "loaded: this needs vgpu (fgds_vfio covers vfio-pci)"
+            "loaded: this needs vgpu (fgds_vfio and uring_dmabuf cover vfio-pci)"
         )
     fd, _ = rig.vgpu_alloc(4096)
     try:

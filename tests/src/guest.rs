@@ -118,7 +118,7 @@ pub fn vgpu_absence() -> Option<String> {
     (exporter != "vgpu").then(|| {
         format!(
             "the GPU is bound to vfio-pci (--exporter {exporter}), not to vgpu, which is not \
-             loaded: this needs vgpu (fgds_vfio covers vfio-pci)"
+             loaded: this needs vgpu (fgds_vfio and uring_dmabuf cover vfio-pci)"
         )
     })
 }
