@@ -283,10 +283,7 @@ impl GpuFile {
         mem_addr: u64,
     ) -> std::result::Result<Split, NotDirect> {
         Split::new(self.align, n, file_offset, mem_addr).map_err(|why| {
-            NotDirect::new(
-                libc::EINVAL,
-                format!("{} ({})", why, self.path.display()),
-            )
+            NotDirect::new(libc::EINVAL, format!("{} ({})", why, self.path.display()))
         })
     }
 
@@ -385,9 +382,8 @@ impl GpuFile {
         // kernel here has them at all (then fgds's reason alone is the news).
         let kernel = match self.kernel_plan(mem, n, file_offset, mem_offset) {
             Ok((fd, start, split)) => {
-                let body = |at: u64, len: u64| {
-                    self.run_kernel(dir, fd, start + at, len, file_offset + at)
-                };
+                let body =
+                    |at: u64, len: u64| self.run_kernel(dir, fd, start + at, len, file_offset + at);
                 match self.run_split(dir, mem, file_offset, mem_offset, n, split, body) {
                     Ok(()) => {
                         return Ok(Completion {

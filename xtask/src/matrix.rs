@@ -28,7 +28,6 @@ const DEFAULT_RUNS: &[(&str, bool, &str)] = &[
     ("build:7.2+io-uring-dmabuf", false, "vgpu"),
     ("debian:7.2", true, "vfio"),
     ("debian:7.3", true, "vfio"),
-    ("build:7.2+io-uring-dmabuf", true, "vfio"),
 ];
 
 #[derive(clap::Args)]
@@ -207,10 +206,7 @@ mod tests {
             .filter(|(_, iommu, exporter)| *exporter == "vfio" && *iommu)
             .map(|(kernel, _, _)| *kernel)
             .collect::<Vec<_>>();
-        assert_eq!(
-            vfio,
-            ["debian:7.2", "debian:7.3", "build:7.2+io-uring-dmabuf"]
-        );
+        assert_eq!(vfio, ["debian:7.2", "debian:7.3"]);
         let table = render(&[Row {
             kernel: "debian:7.2".into(),
             config: "vfio, iommu".into(),
