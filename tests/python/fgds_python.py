@@ -397,6 +397,12 @@ def probe() -> None:
         os.close(fd)
     mode = rig.sysfs("mode")
     print(f"# fgds-report: fgds mode={mode}")
+    if json.loads(fgds.doctor(json=True))["uring_dmabuf"]["available"]:
+        rig.skip_program(
+            "this kernel has its own dma-buf registered buffers (the comparator series), which "
+            "take dma-bufs before fgds: these cases assert fgds's path; uring_dmabuf and "
+            "fgds_crate check the kernel's"
+        )
     try:
         fgds.register(mem).close()
     except fgds.DirectUnavailable as err:

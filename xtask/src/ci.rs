@@ -100,11 +100,11 @@ pub const CI_RUNS: [CiRun; 7] = [
         pages: "auto",
         exporter: "vgpu",
         iommu: false,
-        only: &["uring_dmabuf", "fgds_crate", "fgds_python"],
+        only: &["uring_dmabuf", "fgds_crate"],
         comparator: Some("io-uring-dmabuf-v3"),
         proves: "the upstream design (Begunkov's io_uring dma-buf series, built from \
                  ../shared/comparators/, about 7 minutes once): the kernel's dma-buf buffers \
-                 through the series and through the crate's and Python's path",
+                 through the series and through the crate's path",
     },
 ];
 

@@ -320,6 +320,13 @@ pub const SKIPS: &[Skip] = &[
               refuses under a translating IOMMU (fgds_vfio checks that refusal)",
     },
     Skip {
+        cases: &["fgds_python"],
+        when: &[When::Patched("io-uring-dmabuf")],
+        reason: "this kernel has its own dma-buf registered buffers",
+        why: "the Python cases assert fgds's path for dma-bufs, which the kernel's own path \
+              takes first on the comparator kernel; uring_dmabuf and fgds_crate check that path",
+    },
+    Skip {
         cases: &["kmemleak"],
         when: &[When::LacksAny(&["CONFIG_DEBUG_KMEMLEAK"])],
         reason: "the kernel has no kmemleak",
