@@ -135,7 +135,6 @@ fn registration_refused_vfio_state_untouched() -> CaseResult {
     );
     let node = open_node(bdf)?;
     let dmabuf = dev.export_rw(&[(0, 2 * MIB)])?;
-    let mark = guest::kernel_log_mark()?;
     let reg = common::reg(&node, dmabuf.as_fd(), 0, 2 * MIB);
     let mode = fgds_sysfs(bdf, "mode")?;
     ktap::diag(format_args!("fgds-report: fgds mode={mode}"));
@@ -143,7 +142,9 @@ fn registration_refused_vfio_state_untouched() -> CaseResult {
         reg == Err(Errno::OPNOTSUPP),
         "REG_BUFFER of a vfio-pci dma-buf: {reg:?}, want EOPNOTSUPP"
     );
-    let log = guest::kernel_log_since(mark)?;
+    // Logged once, when fgds first set up (and refused) the GPU's pages: at the node's first
+    // open, maybe by an earlier program.
+    let log = guest::kernel_log_since(0)?;
     ensure!(
         log.iter()
             .any(|l| l.contains("keeps P2PDMA state of its own")),
