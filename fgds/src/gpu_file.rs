@@ -68,6 +68,48 @@ pub struct Completion {
     pub bounced: u64,
 }
 
+/// Whether a transfer may go through host RAM (kvikio's compatibility mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    /// Direct where it can, through host RAM where not, saying why (kvikio's `AUTO`).
+    Allowed,
+    /// Direct, or an [`Error::DirectUnavailable`] that says why not (kvikio's `OFF`).
+    Off,
+    /// Through host RAM, always (kvikio's `ON`): no registration, no direct I/O.
+    Always,
+}
+
+/// How [`GpuFile::read`] and [`GpuFile::write`] go about a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    pub fallback: Fallback,
+    /// The direct path's requests: their size (kvikio's task size, rounded down to the file's
+    /// `O_DIRECT` alignment, at least one block) and how many are in flight at once.
+    pub transfer: TransferConfig,
+}
+
+impl Options {
+    /// Fallback allowed, 1 MiB requests, 8 in flight.
+    pub const DEFAULT: Options = Options {
+        fallback: Fallback::Allowed,
+        transfer: TransferConfig::DEFAULT,
+    };
+
+    /// [`Options::DEFAULT`] with `fallback`.
+    pub fn with_fallback(fallback: Fallback) -> Options {
+        Options {
+            fallback,
+            ..Options::DEFAULT
+        }
+    }
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options::DEFAULT
+    }
+}
+
 /// How a file is opened, as Python's and kvikio's mode strings say.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Mode {
@@ -288,24 +330,18 @@ impl GpuFile {
     }
 
     /// Reads up to `size` bytes of the file at `file_offset` into `mem` at `mem_offset`; fewer
-    /// where the file ends first. Direct where [`GpuFile::plan`] allows, else through RAM if
-    /// `fallback`, else [`Error::DirectUnavailable`].
+    /// where the file ends first. Direct where it can go direct (its whole blocks, where the
+    /// memory sits at the file offset's place in a block), else through RAM as `opts.fallback`
+    /// allows, else [`Error::DirectUnavailable`].
     pub fn read(
         &self,
         mem: &dyn GpuMemory,
         size: u64,
         file_offset: u64,
         mem_offset: u64,
-        fallback: bool,
+        opts: &Options,
     ) -> Result<Completion> {
-        self.start(
-            Direction::Read,
-            mem,
-            size,
-            file_offset,
-            mem_offset,
-            fallback,
-        )
+        self.start(Direction::Read, mem, size, file_offset, mem_offset, opts)
     }
 
     /// Writes `size` bytes of `mem` at `mem_offset` to the file at `file_offset`, as
@@ -316,16 +352,9 @@ impl GpuFile {
         size: u64,
         file_offset: u64,
         mem_offset: u64,
-        fallback: bool,
+        opts: &Options,
     ) -> Result<Completion> {
-        self.start(
-            Direction::Write,
-            mem,
-            size,
-            file_offset,
-            mem_offset,
-            fallback,
-        )
+        self.start(Direction::Write, mem, size, file_offset, mem_offset, opts)
     }
 
     /// Checks the file's mode and the memory's range, stops a read at the end of the file,
@@ -337,7 +366,7 @@ impl GpuFile {
         size: u64,
         file_offset: u64,
         mem_offset: u64,
-        fallback: bool,
+        opts: &Options,
     ) -> Result<Completion> {
         let (allowed, instead) = match dir {
             Direction::Read => (
@@ -360,8 +389,37 @@ impl GpuFile {
             Direction::Read => size.min(self.len()?.saturating_sub(file_offset)),
             Direction::Write => size,
         };
+        if opts.fallback == Fallback::Always {
+            if n > 0 {
+                mem.synchronize()?;
+            }
+            self.bounce(dir, mem, file_offset, mem_offset, n)?;
+            return Ok(Completion {
+                bytes: n,
+                path: IoPath::Bounce,
+                reason: Some("the fallback was asked for (compatibility mode on)".to_owned()),
+                bounced: n,
+            });
+        }
+        let config = self.transfer_config(opts.transfer)?;
         let plan = self.plan(mem, n, file_offset, mem_offset);
-        self.run(dir, mem, n, file_offset, mem_offset, plan, fallback)
+        let fallback = opts.fallback == Fallback::Allowed;
+        self.run(dir, mem, n, file_offset, mem_offset, plan, fallback, config)
+    }
+
+    /// `asked` with its request size a whole number of the file's blocks (at least one).
+    fn transfer_config(&self, asked: TransferConfig) -> Result<TransferConfig> {
+        if asked.chunk_size == 0 || asked.queue_depth == 0 {
+            return Err(Error::Invalid(format!(
+                "task size {} and queue depth {} must be positive",
+                asked.chunk_size, asked.queue_depth
+            )));
+        }
+        let align = self.align as usize;
+        Ok(TransferConfig {
+            chunk_size: (asked.chunk_size / align).max(1) * align,
+            queue_depth: asked.queue_depth,
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -374,6 +432,7 @@ impl GpuFile {
         mem_offset: u64,
         plan: std::result::Result<(DirectRange, Split), NotDirect>,
         fallback: bool,
+        config: TransferConfig,
     ) -> Result<Completion> {
         if n > 0 {
             mem.synchronize()?;
@@ -382,8 +441,9 @@ impl GpuFile {
         // kernel here has them at all (then fgds's reason alone is the news).
         let kernel = match self.kernel_plan(mem, n, file_offset, mem_offset) {
             Ok((fd, start, split)) => {
-                let body =
-                    |at: u64, len: u64| self.run_kernel(dir, fd, start + at, len, file_offset + at);
+                let body = |at: u64, len: u64| {
+                    self.run_kernel(dir, fd, start + at, len, file_offset + at, config)
+                };
                 match self.run_split(dir, mem, file_offset, mem_offset, n, split, body) {
                     Ok(()) => {
                         return Ok(Completion {
@@ -428,7 +488,7 @@ impl GpuFile {
             .map_err(|_| Error::Invalid("offset past the address space".to_owned()))?;
         let body = |at: u64, len: u64| {
             let at_mem = start + at as usize;
-            Transfer::new(TransferConfig::DEFAULT)
+            Transfer::new(config)
                 .and_then(|mut transfer| {
                     transfer.run(
                         dir,
@@ -535,6 +595,7 @@ impl GpuFile {
         start: u64,
         len: u64,
         file_offset: u64,
+        config: TransferConfig,
     ) -> std::result::Result<(), Refusal> {
         let direct = self
             .direct
@@ -542,7 +603,7 @@ impl GpuFile {
             .expect("kernel_plan checked the O_DIRECT fd");
         let start = usize::try_from(start)
             .map_err(|_| Refusal::During(Error::Invalid("offset past the address space".into())))?;
-        let mut transfer = Transfer::new(TransferConfig::DEFAULT).map_err(Refusal::During)?;
+        let mut transfer = Transfer::new(config).map_err(Refusal::During)?;
         match transfer.run_dmabuf(dir, fd, start..start + len as usize, direct, file_offset) {
             Ok(_) => Ok(()),
             // Refused at registration: nothing moved, the next path takes it all.
@@ -833,7 +894,9 @@ mod tests {
         let file = GpuFile::open(&path, "r").unwrap();
         // Staging of one page: the pipelined path with many chunks.
         let mem = RamMemory::new(8 * 4096, 0xab, 4096);
-        let done = file.read(&mem, 6 * 4096, 4096, 100, true).unwrap();
+        let done = file
+            .read(&mem, 6 * 4096, 4096, 100, &Options::DEFAULT)
+            .unwrap();
         assert_eq!(done.bytes, 2 * 4096 + 100);
         assert_eq!(done.path, IoPath::Bounce);
         assert_eq!(
@@ -845,12 +908,17 @@ mod tests {
         assert!(got[..100].iter().all(|&b| b == 0xab));
         assert!(got[100 + done.bytes as usize..].iter().all(|&b| b == 0xab));
         assert_eq!(
-            file.read(&mem, 4096, bytes.len() as u64, 0, true)
+            file.read(&mem, 4096, bytes.len() as u64, 0, &Options::DEFAULT)
                 .unwrap()
                 .bytes,
             0
         );
-        assert_eq!(file.read(&mem, 4096, 1 << 40, 0, true).unwrap().bytes, 0);
+        assert_eq!(
+            file.read(&mem, 4096, 1 << 40, 0, &Options::DEFAULT)
+                .unwrap()
+                .bytes,
+            0
+        );
         std::fs::remove_file(path).unwrap();
     }
 
@@ -862,7 +930,7 @@ mod tests {
         let bytes = data(5 * 4096 + 8);
         mem.copy_in(0, &bytes).unwrap();
         let done = file
-            .write(&mem, bytes.len() as u64 - 8, 13, 8, true)
+            .write(&mem, bytes.len() as u64 - 8, 13, 8, &Options::DEFAULT)
             .unwrap();
         assert_eq!(done.bytes, 5 * 4096);
         assert_eq!(done.bounced, 5 * 4096);
@@ -871,7 +939,9 @@ mod tests {
         assert_eq!(&on_disk[13..], &bytes[8..]);
         let back = RamMemory::new(5 * 4096, 0, 4096);
         assert_eq!(
-            file.read(&back, 5 * 4096, 13, 0, true).unwrap().bytes,
+            file.read(&back, 5 * 4096, 13, 0, &Options::DEFAULT)
+                .unwrap()
+                .bytes,
             5 * 4096
         );
         assert_eq!(&back.bytes.lock().unwrap()[..], &bytes[8..]);
@@ -883,7 +953,9 @@ mod tests {
         let path = temp_file("off", &data(4096));
         let file = GpuFile::open(&path, "r").unwrap();
         let mem = RamMemory::new(4096, 0, 4096);
-        let err = file.read(&mem, 4096, 0, 0, false).unwrap_err();
+        let err = file
+            .read(&mem, 4096, 0, 0, &Options::with_fallback(Fallback::Off))
+            .unwrap_err();
         assert_eq!(err.errno(), libc::ENODEV);
         assert!(
             err.to_string().contains("test memory has no registration"),
@@ -898,10 +970,10 @@ mod tests {
         let path = temp_file("bad", &data(4096));
         let mem = RamMemory::new(4096, 0, 4096);
         let file = GpuFile::open(&path, "r").unwrap();
-        let err = file.read(&mem, 4096, 0, 1, true).unwrap_err();
+        let err = file.read(&mem, 4096, 0, 1, &Options::DEFAULT).unwrap_err();
         assert_eq!(err.errno(), libc::EINVAL);
         assert!(err.to_string().contains("do not fit"), "{err}");
-        let err = file.write(&mem, 4096, 0, 0, true).unwrap_err();
+        let err = file.write(&mem, 4096, 0, 0, &Options::DEFAULT).unwrap_err();
         assert_eq!(err.errno(), libc::EBADF);
         let err = GpuFile::open(&path, "rw").err().expect("bad mode");
         assert_eq!(err.errno(), libc::EINVAL);
@@ -911,7 +983,10 @@ mod tests {
         assert_eq!(err.errno(), libc::ENOENT);
         let write_only = GpuFile::open(&path, "a").unwrap();
         assert_eq!(
-            write_only.read(&mem, 1, 0, 0, true).unwrap_err().errno(),
+            write_only
+                .read(&mem, 1, 0, 0, &Options::DEFAULT)
+                .unwrap_err()
+                .errno(),
             libc::EBADF
         );
         std::fs::remove_file(path).unwrap();

@@ -38,6 +38,6 @@ pub use cpu_mapping::CpuMapping;
 pub use dmabuf::DmabufInfo;
 pub use error::{Error, Result};
 pub use gpu::{Gpu, GpuInfo, SYSFS_CLASS};
-pub use gpu_file::{Completion, GpuFile, IoPath};
+pub use gpu_file::{Completion, Fallback, GpuFile, IoPath, Options};
 pub use memory::{GpuMemory, NotDirect, Registry};
 pub use transfer::{Direction, Transfer, TransferConfig, TransferPath};

@@ -11,13 +11,17 @@ every transfer says which path it took and why not the direct one::
         done = f.pread(weights, n, file_offset=header).get()   # an IOFuture, as kvikio's
         print(int(done), done.path, done.reason)               # 1073741824 bounce "no fgds ..."
 
-The API follows kvikio's ``CuFile`` (``pread``/``pwrite`` return futures, ``read``/``write``
-block, ``buf_offset`` is kvikio's ``dev_offset``); ``docs/python.md`` is the guide.
+The API follows kvikio's ``CuFile``: ``pread(buf, size, file_offset, task_size)`` and
+``pwrite`` return futures, ``read``/``write`` block, ``fgds.defaults`` holds the task size, the
+queue depth and the compatibility mode; where fgds has more (``buf_offset``, the path and the
+reason of every transfer), it is keyword-only or an attribute. ``docs/python.md`` is the guide.
 
-The fallback through host RAM is on by default; ``set_fallback(False)``, ``open(...,
-fallback=False)`` or ``FGDS_FALLBACK=0`` switch it off, and a transfer that cannot go direct
-then raises :class:`DirectUnavailable` with the reason. Errors are :class:`Error` (an
-``OSError``): ``errno`` names what was wrong, ``strerror`` says what and what to do.
+The fallback through host RAM is on by default (compatibility mode ``"auto"``);
+``defaults.set("compat_mode", "off")``, ``set_fallback(False)``, ``open(..., fallback=False)``
+or ``FGDS_FALLBACK=0`` switch it off, and a transfer that cannot go direct then raises
+:class:`DirectUnavailable` with the reason; ``"on"`` sends every transfer through RAM. Errors
+are :class:`Error` (an ``OSError``): ``errno`` names what was wrong, ``strerror`` says what and
+what to do.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = [
     "File",
     "IOFuture",
     "clear_cache",
+    "defaults",
     "doctor",
     "fallback_enabled",
     "is_direct",
@@ -74,25 +79,104 @@ BufferLike = Union[
     "Buffer", "DmaBuf", "DevicePointer", SupportsCudaArrayInterface, SupportsDLPack
 ]
 
-_fallback_lock = threading.Lock()
-_fallback = os.environ.get("FGDS_FALLBACK", "1").strip().lower() not in (
-    "0",
-    "off",
-    "no",
-    "false",
-)
+#: kvikio's compatibility modes: the fallback through host RAM allowed, off, or always.
+COMPAT_MODES = ("auto", "off", "on")
+
+
+def _env(names: Tuple[str, ...], default: str) -> str:
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None and value.strip():
+            return value.strip()
+    return default
+
+
+def _compat_from_env() -> str:
+    mode = _env(("FGDS_COMPAT_MODE", "KVIKIO_COMPAT_MODE"), "").lower()
+    if mode in COMPAT_MODES:
+        return mode
+    fallback = _env(("FGDS_FALLBACK",), "1").lower()
+    return "off" if fallback in ("0", "off", "no", "false") else "auto"
+
+
+class _Setting:
+    """What ``defaults.set`` returns: the change is made already; as a context manager it is
+    undone at the end of the ``with`` block, as kvikio's is."""
+
+    def __init__(self, previous: dict[str, object]) -> None:
+        self._previous = previous
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        defaults._apply(self._previous)
+
+
+class _Defaults:
+    """The defaults of transfers, as kvikio's ``kvikio.defaults``: ``task_size`` (bytes per
+    request of the direct path, ``FGDS_TASK_SIZE`` or ``KVIKIO_TASK_SIZE``, 1 MiB), ``queue_depth``
+    (requests in flight per transfer, ``FGDS_QUEUE_DEPTH``, 8; kvikio has threads instead) and
+    ``compat_mode`` (``"auto"``, ``"off"`` or ``"on"``, ``FGDS_COMPAT_MODE`` or
+    ``KVIKIO_COMPAT_MODE``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, object] = {
+            "compat_mode": _compat_from_env(),
+            "task_size": int(_env(("FGDS_TASK_SIZE", "KVIKIO_TASK_SIZE"), str(1 << 20))),
+            "queue_depth": int(_env(("FGDS_QUEUE_DEPTH",), "8")),
+        }
+
+    def compat_mode(self) -> str:
+        return str(self._values["compat_mode"])
+
+    def task_size(self) -> int:
+        return int(str(self._values["task_size"]))
+
+    def queue_depth(self) -> int:
+        return int(str(self._values["queue_depth"]))
+
+    @staticmethod
+    def _check(key: str, value: object) -> object:
+        if key == "compat_mode":
+            mode = str(value).lower()
+            if mode not in COMPAT_MODES:
+                raise ValueError(f"compat_mode {value!r}: use one of {COMPAT_MODES}")
+            return mode
+        if key in ("task_size", "queue_depth"):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{key} must be a positive int, not {value!r}")
+            return value
+        raise KeyError(f"no default {key!r}: fgds has compat_mode, task_size and queue_depth")
+
+    def _apply(self, values: dict[str, object]) -> dict[str, object]:
+        checked = {key: self._check(key, value) for key, value in values.items()}
+        with self._lock:
+            previous = {key: self._values[key] for key in checked}
+            self._values.update(checked)
+        return previous
+
+    def set(self, config: Union[str, dict[str, object]], value: object = None) -> _Setting:
+        """Sets defaults: ``set("task_size", 4 << 20)`` or ``set({"task_size": ..., ...})``.
+        Usable as a context manager that puts the old values back."""
+        values = {config: value} if isinstance(config, str) else dict(config)
+        return _Setting(self._apply(values))
+
+
+#: The defaults of every transfer (kvikio's ``kvikio.defaults``).
+defaults = _Defaults()
 
 
 def set_fallback(enabled: bool) -> None:
-    """Switches the fallback through host RAM on or off for files opened without ``fallback=``."""
-    global _fallback
-    with _fallback_lock:
-        _fallback = bool(enabled)
+    """Switches the fallback through host RAM on or off for files opened without ``fallback=``
+    (``defaults.set("compat_mode", "auto" or "off")``)."""
+    defaults.set("compat_mode", "auto" if enabled else "off")
 
 
 def fallback_enabled() -> bool:
     """Whether transfers that cannot go direct go through host RAM (else they raise)."""
-    return _fallback
+    return defaults.compat_mode() != "off"
 
 
 def _error(code: int, message: str) -> Error:
@@ -382,10 +466,18 @@ class File:
     """A file open for transfers to and from GPU memory (kvikio's ``CuFile``)."""
 
     def __init__(
-        self, path: Union[str, os.PathLike[str]], mode: str = "r", *, fallback: Optional[bool] = None
+        self,
+        path: Union[str, os.PathLike[str]],
+        mode: str = "r",
+        *,
+        fallback: Optional[bool] = None,
+        compat_mode: Optional[str] = None,
     ) -> None:
         self._native = _fgds.File(os.fspath(path), mode)
         self._fallback = fallback
+        if compat_mode is not None:
+            defaults._check("compat_mode", compat_mode)
+        self._compat_mode = compat_mode
 
     @property
     def path(self) -> str:
@@ -418,8 +510,19 @@ class File:
         return self._native.why_not_direct
 
     @property
+    def compat_mode(self) -> str:
+        """This file's compatibility mode: ``compat_mode=``, else ``"auto"``/``"off"`` from
+        ``fallback=``, else ``defaults.compat_mode()``."""
+        if self._compat_mode is not None:
+            return self._compat_mode.lower()
+        if self._fallback is not None:
+            return "auto" if self._fallback else "off"
+        return defaults.compat_mode()
+
+    @property
     def fallback(self) -> bool:
-        return _fallback if self._fallback is None else self._fallback
+        """Whether a transfer that cannot go direct goes through host RAM."""
+        return self.compat_mode != "off"
 
     def fileno(self) -> int:
         return self._native.fileno()
@@ -444,6 +547,7 @@ class File:
         buf: BufferLike,
         size: Optional[int],
         file_offset: int,
+        task_size: Optional[int],
         buf_offset: int,
         dev_offset: Optional[int],
     ) -> Tuple[Callable[[], Completed], object]:
@@ -453,14 +557,20 @@ class File:
         if dev_offset is not None:
             buf_offset = dev_offset
         _non_negative(file_offset=file_offset, buf_offset=buf_offset)
+        if task_size is None:
+            task_size = defaults.task_size()
+        elif not isinstance(task_size, int) or isinstance(task_size, bool) or task_size <= 0:
+            raise ValueError(f"task_size must be a positive int, not {task_size!r}")
         memory, keep = _resolve(buf, to_gpu)
         nbytes = max(0, memory.length - buf_offset) if size is None else size
         _non_negative(size=nbytes)
         call = self._native.read if to_gpu else self._native.write
-        fallback = self.fallback
+        compat, depth = self.compat_mode, defaults.queue_depth()
 
         def run() -> Completed:
-            return Completed(*call(memory, nbytes, file_offset, buf_offset, fallback))
+            return Completed(
+                *call(memory, nbytes, file_offset, buf_offset, compat, task_size, depth)
+            )
 
         return run, keep
 
@@ -469,17 +579,19 @@ class File:
         buf: BufferLike,
         size: Optional[int] = None,
         file_offset: int = 0,
-        buf_offset: int = 0,
-        *,
-        dev_offset: Optional[int] = None,
         task_size: Optional[int] = None,
+        *,
+        buf_offset: int = 0,
+        dev_offset: Optional[int] = None,
     ) -> IOFuture:
         """Reads ``size`` bytes (default: to the end of ``buf``) at ``file_offset`` into
-        ``buf`` at ``buf_offset``, on a worker thread. The future's result is the bytes read:
-        fewer where the file ends first. ``dev_offset`` is kvikio's name for ``buf_offset``;
-        ``task_size`` is accepted for kvikio's callers and unused (fgds splits a transfer
-        into 1 MiB io_uring requests itself)."""
-        run, keep = self._transfer(True, buf, size, file_offset, buf_offset, dev_offset)
+        ``buf``, on a worker thread, as kvikio's ``CuFile.pread``: the direct path in requests
+        of ``task_size`` bytes (default ``defaults.task_size()``), ``defaults.queue_depth()`` in
+        flight. The future's result is the bytes read: fewer where the file ends first.
+        ``buf_offset`` (or kvikio's ``dev_offset``) is where in ``buf`` the bytes go."""
+        run, keep = self._transfer(
+            True, buf, size, file_offset, task_size, buf_offset, dev_offset
+        )
         return IOFuture(_pool().submit(run), keep)
 
     def pwrite(
@@ -487,14 +599,16 @@ class File:
         buf: BufferLike,
         size: Optional[int] = None,
         file_offset: int = 0,
-        buf_offset: int = 0,
-        *,
-        dev_offset: Optional[int] = None,
         task_size: Optional[int] = None,
+        *,
+        buf_offset: int = 0,
+        dev_offset: Optional[int] = None,
     ) -> IOFuture:
-        """Writes ``size`` bytes of ``buf`` at ``buf_offset`` to the file at ``file_offset``,
-        on a worker thread (see ``pread``)."""
-        run, keep = self._transfer(False, buf, size, file_offset, buf_offset, dev_offset)
+        """Writes ``size`` bytes of ``buf`` to the file at ``file_offset``, on a worker thread
+        (see ``pread``)."""
+        run, keep = self._transfer(
+            False, buf, size, file_offset, task_size, buf_offset, dev_offset
+        )
         return IOFuture(_pool().submit(run), keep)
 
     def read(
@@ -502,27 +616,29 @@ class File:
         buf: BufferLike,
         size: Optional[int] = None,
         file_offset: int = 0,
-        buf_offset: int = 0,
-        *,
-        dev_offset: Optional[int] = None,
         task_size: Optional[int] = None,
+        *,
+        buf_offset: int = 0,
+        dev_offset: Optional[int] = None,
     ) -> Completed:
         """``pread`` on this thread: returns when the data is in GPU memory."""
-        return self._transfer(True, buf, size, file_offset, buf_offset, dev_offset)[0]()
+        args = (True, buf, size, file_offset, task_size, buf_offset, dev_offset)
+        return self._transfer(*args)[0]()
 
     def write(
         self,
         buf: BufferLike,
         size: Optional[int] = None,
         file_offset: int = 0,
-        buf_offset: int = 0,
-        *,
-        dev_offset: Optional[int] = None,
         task_size: Optional[int] = None,
+        *,
+        buf_offset: int = 0,
+        dev_offset: Optional[int] = None,
     ) -> Completed:
         """``pwrite`` on this thread: returns when the data is in the file (written, not
         synced: ``os.fsync(f.fileno())`` for that)."""
-        return self._transfer(False, buf, size, file_offset, buf_offset, dev_offset)[0]()
+        args = (False, buf, size, file_offset, task_size, buf_offset, dev_offset)
+        return self._transfer(*args)[0]()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -534,9 +650,14 @@ CuFile = File
 
 
 def open(
-    path: Union[str, os.PathLike[str]], mode: str = "r", *, fallback: Optional[bool] = None
+    path: Union[str, os.PathLike[str]],
+    mode: str = "r",
+    *,
+    fallback: Optional[bool] = None,
+    compat_mode: Optional[str] = None,
 ) -> File:
     """Opens ``path`` for transfers to and from GPU memory. ``mode``: ``r``, ``r+``, ``w``
     (create, truncate), ``w+``, ``a`` (create; writes still name their offsets), ``a+``.
-    ``fallback`` overrides :func:`set_fallback` for this file."""
-    return File(path, mode, fallback=fallback)
+    ``compat_mode`` (``"auto"``, ``"off"``, ``"on"``) or ``fallback`` overrides
+    ``defaults.compat_mode()`` for this file."""
+    return File(path, mode, fallback=fallback, compat_mode=compat_mode)

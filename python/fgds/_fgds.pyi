@@ -61,11 +61,25 @@ class File:
     @property
     def why_not_direct(self) -> Optional[str]: ...
     def read(
-        self, memory: Memory, size: int, file_offset: int, memory_offset: int, fallback: bool
+        self,
+        memory: Memory,
+        size: int,
+        file_offset: int,
+        memory_offset: int,
+        compat_mode: str,
+        task_size: int,
+        queue_depth: int,
     ) -> Tuple[int, str, Optional[str], int]:
         """``(bytes, path, reason, bounced)``."""
     def write(
-        self, memory: Memory, size: int, file_offset: int, memory_offset: int, fallback: bool
+        self,
+        memory: Memory,
+        size: int,
+        file_offset: int,
+        memory_offset: int,
+        compat_mode: str,
+        task_size: int,
+        queue_depth: int,
     ) -> Tuple[int, str, Optional[str], int]: ...
     def nbytes(self) -> int: ...
     def fileno(self) -> int: ...

@@ -289,31 +289,51 @@ impl File {
 
 /// `GpuFile::read` or `GpuFile::write`.
 type Direction =
-    fn(&GpuFile, &dyn GpuMemory, u64, u64, u64, bool) -> fgds::Result<fgds::Completion>;
+    fn(&GpuFile, &dyn GpuMemory, u64, u64, u64, &fgds::Options) -> fgds::Result<fgds::Completion>;
+
+/// A transfer's `(size, file_offset, memory_offset)`.
+type Span = (u64, u64, u64);
+
+/// The options of a transfer from Python's `(compat_mode, task_size, queue_depth)`:
+/// kvikio's compatibility mode `"auto"` (the fallback allowed), `"off"` (direct or an error) or
+/// `"on"` (through host RAM, always).
+fn options(compat_mode: &str, task_size: u64, queue_depth: u32) -> PyResult<fgds::Options> {
+    let fallback = match compat_mode {
+        "auto" => fgds::Fallback::Allowed,
+        "off" => fgds::Fallback::Off,
+        "on" => fgds::Fallback::Always,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "compat_mode {other:?}: use \"auto\", \"on\" or \"off\""
+            )));
+        }
+    };
+    let chunk_size = usize::try_from(task_size)
+        .map_err(|_| PyValueError::new_err(format!("task_size {task_size} is too large")))?;
+    Ok(fgds::Options {
+        fallback,
+        transfer: fgds::TransferConfig {
+            chunk_size,
+            queue_depth,
+        },
+    })
+}
 
 impl File {
-    /// Runs `call` with `(size, file_offset, memory_offset, fallback)`, the GIL released.
+    /// Runs `call` on `span` with `opts`, the GIL released.
     fn transfer(
         &self,
         py: Python<'_>,
         memory: &Memory,
-        (size, file_offset, memory_offset, fallback): (u64, u64, u64, bool),
+        (size, file_offset, memory_offset): Span,
+        opts: fgds::Options,
         call: Direction,
     ) -> PyResult<Done> {
         let file = self.open_file()?;
         let mem = Arc::clone(&memory.inner);
-        py.detach(|| {
-            call(
-                &file,
-                mem.as_ref(),
-                size,
-                file_offset,
-                memory_offset,
-                fallback,
-            )
-        })
-        .map(done)
-        .map_err(py_err)
+        py.detach(|| call(&file, mem.as_ref(), size, file_offset, memory_offset, &opts))
+            .map(done)
+            .map_err(py_err)
     }
 }
 
@@ -363,6 +383,7 @@ impl File {
         Ok(self.open_file()?.not_direct().map(|n| n.reason.clone()))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn read(
         &self,
         py: Python<'_>,
@@ -370,12 +391,16 @@ impl File {
         size: u64,
         file_offset: u64,
         memory_offset: u64,
-        fallback: bool,
+        compat_mode: &str,
+        task_size: u64,
+        queue_depth: u32,
     ) -> PyResult<Done> {
-        let args = (size, file_offset, memory_offset, fallback);
-        self.transfer(py, memory, args, GpuFile::read)
+        let opts = options(compat_mode, task_size, queue_depth)?;
+        let span = (size, file_offset, memory_offset);
+        self.transfer(py, memory, span, opts, GpuFile::read)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn write(
         &self,
         py: Python<'_>,
@@ -383,10 +408,13 @@ impl File {
         size: u64,
         file_offset: u64,
         memory_offset: u64,
-        fallback: bool,
+        compat_mode: &str,
+        task_size: u64,
+        queue_depth: u32,
     ) -> PyResult<Done> {
-        let args = (size, file_offset, memory_offset, fallback);
-        self.transfer(py, memory, args, GpuFile::write)
+        let opts = options(compat_mode, task_size, queue_depth)?;
+        let span = (size, file_offset, memory_offset);
+        self.transfer(py, memory, span, opts, GpuFile::write)
     }
 
     /// The file's size in bytes.

@@ -70,7 +70,7 @@ def read_direct_host_checked() -> None:
     assert fgds.is_direct(mem), fgds.why_not_direct(mem)
     assert fgds.why_not_direct(mem) is None
     with fgds.open(rig.nvme(), "r") as f:
-        future = f.pread(mem, 8 * MIB, 4 * MIB, 0)
+        future = f.pread(mem, 8 * MIB, 4 * MIB, buf_offset=0)
         check_direct(future.get(), 8 * MIB)
         assert future.done() and future.path == "direct"
         # The blocking form, into the second half again, from another place of the drive.
@@ -100,7 +100,7 @@ def futures_in_flight_together() -> None:
     mem, bar, fd = vgpu(16 * MIB)
     os.close(fd)
     with fgds.open(rig.nvme()) as f:
-        futures = [f.pread(mem, 2 * MIB, i * 2 * MIB, i * 2 * MIB) for i in range(8)]
+        futures = [f.pread(mem, 2 * MIB, i * 2 * MIB, buf_offset=i * 2 * MIB) for i in range(8)]
         for future in futures:
             check_direct(future.get(timeout=120), 2 * MIB)
     rig.gpu_check(bar, 16 * MIB, NVME_SEED, 0)
@@ -125,12 +125,12 @@ def partial_read_at_end_of_file() -> None:
     with fgds.open(path) as f:
         assert f.nbytes() == size, f"nbytes {f.nbytes()}"
         # Past the end: the bytes up to it, the aligned part direct, the 100-byte tail through RAM.
-        check_direct(f.read(mem, 4 * MIB, 0, 0), size, bounced=100)
+        check_direct(f.read(mem, 4 * MIB, 0, buf_offset=0), size, bounced=100)
         # At and past the end: nothing.
-        assert int(f.read(mem, 4096, size, 0)) == 0
-        assert int(f.read(mem, 4096, 2 * size, 0)) == 0
+        assert int(f.read(mem, 4096, size)) == 0
+        assert int(f.read(mem, 4096, 2 * size)) == 0
         # Less than one block left: all of it through RAM, and the completion says why.
-        tail = f.read(mem, 1 * MIB, 1 * MIB, 2 * MIB)
+        tail = f.read(mem, 1 * MIB, 1 * MIB, buf_offset=2 * MIB)
         check_bounce(tail, 100, "fill no whole")
     rig.gpu_check(bar, size - 4, NVME_SEED, 12 * MIB)
     assert cpu[size - 4 : size] == content[-4:], "the last bytes of the file differ"
@@ -150,7 +150,7 @@ def write_unaligned_length_to_a_file() -> None:
     with fgds.open(rig.nvme()) as drive:
         check_direct(drive.read(mem, 2 * MIB, 20 * MIB), 2 * MIB)
     with fgds.open(path, "w") as f:
-        check_direct(f.write(mem, size, 0, 0), size, bounced=100)
+        check_direct(f.write(mem, size, 0), size, bounced=100)
     with open(path, "rb") as f:
         written = f.read()
     assert written == rig.drive_bytes(20 * MIB, size), f"the file ({len(written)} bytes) differs"
@@ -163,9 +163,9 @@ def fallback_misaligned_offsets_reported() -> None:
     assert fgds.is_direct(mem), fgds.why_not_direct(mem)
     with fgds.open(rig.nvme()) as f:
         # The file offset and the memory at different places in their blocks: all through RAM.
-        check_bounce(f.read(mem, 1 * MIB, 4 * MIB + 8, 0), 1 * MIB, "block boundary")
+        check_bounce(f.read(mem, 1 * MIB, 4 * MIB + 8), 1 * MIB, "block boundary")
         rig.gpu_check(bar, 1 * MIB, NVME_SEED, 4 * MIB + 8)
-        check_bounce(f.read(mem, 1 * MIB, 4 * MIB, 8), 1 * MIB, "block boundary")
+        check_bounce(f.read(mem, 1 * MIB, 4 * MIB, buf_offset=8), 1 * MIB, "block boundary")
         rig.gpu_check(bar + 8, 1 * MIB, NVME_SEED, 4 * MIB)
 
 
@@ -177,7 +177,7 @@ def unaligned_offsets_in_phase_go_direct() -> None:
     with fgds.open(rig.nvme()) as f:
         at = f.phase(4 * MIB + 8)
         assert at == 8, f"phase {at}"
-        done = f.read(mem, 1 * MIB, 4 * MIB + 8, at)
+        done = f.read(mem, 1 * MIB, 4 * MIB + 8, buf_offset=at)
         # Head: a block less 8 bytes, tail: 8 bytes, through RAM; the rest direct.
         check_direct(done, 1 * MIB, bounced=f.alignment)
     rig.gpu_check(bar + 8, 1 * MIB, NVME_SEED, 4 * MIB + 8)
@@ -211,7 +211,7 @@ def safetensors_hf_layout_loads_direct() -> None:
         size = (phase + at + MIB - 1) // MIB * MIB
         mem, bar, fd = vgpu(size)
         cpu = rig.cpu_map(fd, size)
-        done = f.pread(mem, at, start, phase).get()
+        done = f.pread(mem, at, start, buf_offset=phase).get()
     rig.diag(f"safetensors data region: {done!r}, {done.bounced} of {at} bytes through RAM")
     assert int(done) == at and done.path == "direct", f"not direct: {done!r}"
     assert done.bounced * 100 <= at, f"{done.bounced} of {at} bytes through RAM, more than 1%"
@@ -221,6 +221,44 @@ def safetensors_hf_layout_loads_direct() -> None:
     cpu.close()
     os.close(fd)
     os.unlink(path)
+
+
+def kvikio_signatures_and_defaults() -> None:
+    """kvikio's shapes: ``pread(buf, size, file_offset, task_size)``, ``defaults.set`` as a call
+    and as a context manager, the three compatibility modes, ``CuFile(path, flags)``."""
+    mem, bar, fd = vgpu(4 * MIB)
+    os.close(fd)
+    with fgds.CuFile(rig.nvme(), "r") as f:
+        # The fourth positional argument is the task size, as kvikio's.
+        check_direct(f.pread(mem, 4 * MIB, 16 * MIB, 64 * 1024).get(), 4 * MIB)
+        rig.gpu_check(bar, 4 * MIB, NVME_SEED, 16 * MIB)
+        check_direct(f.read(mem, 2 * MIB, 8 * MIB, 4096, buf_offset=2 * MIB), 2 * MIB)
+        rig.gpu_check(bar + 2 * MIB, 2 * MIB, NVME_SEED, 8 * MIB)
+        expect_error(ValueError, lambda: f.pread(mem, 4096, 0, 0), text="task_size")
+    before = (fgds.defaults.task_size(), fgds.defaults.compat_mode(), fgds.defaults.queue_depth())
+    with fgds.defaults.set({"task_size": 128 * 1024, "queue_depth": 2}):
+        assert fgds.defaults.task_size() == 128 * 1024 and fgds.defaults.queue_depth() == 2
+        with fgds.open(rig.nvme()) as f:
+            check_direct(f.read(mem, 4 * MIB, 20 * MIB), 4 * MIB)
+    assert (
+        fgds.defaults.task_size(),
+        fgds.defaults.compat_mode(),
+        fgds.defaults.queue_depth(),
+    ) == before, "defaults.set as a context manager did not put the old values back"
+    rig.gpu_check(bar, 4 * MIB, NVME_SEED, 20 * MIB)
+    with fgds.defaults.set("compat_mode", "on"):
+        with fgds.open(rig.nvme()) as f:
+            assert f.compat_mode == "on"
+            check_bounce(f.read(mem, 1 * MIB, 28 * MIB), 1 * MIB, "compatibility mode on")
+    rig.gpu_check(bar, 1 * MIB, NVME_SEED, 28 * MIB)
+    with fgds.open(rig.nvme(), compat_mode="off") as f:
+        assert not f.fallback
+        expect_error(
+            fgds.DirectUnavailable, lambda: f.read(mem, 1 * MIB, 4 * MIB + 8), errno.EINVAL
+        )
+    expect_error(KeyError, lambda: fgds.defaults.set("threads", 4), text="compat_mode")
+    expect_error(ValueError, lambda: fgds.defaults.set("compat_mode", "maybe"))
+    expect_error(ValueError, lambda: fgds.open(rig.nvme(), compat_mode="sometimes"))
 
 
 def fallback_no_fgds_node_reported() -> None:
@@ -261,7 +299,7 @@ def fallback_off_raises_with_the_reason() -> None:
         )
         assert "block boundary" in str(err) and "fallback" in str(err), str(err)
         expect_error(
-            fgds.DirectUnavailable, lambda: f.pread(mem, 1 * MIB, 0, 8).get(), errno.EINVAL
+            fgds.DirectUnavailable, lambda: f.pread(mem, 1 * MIB, 0, buf_offset=8).get(), errno.EINVAL
         )
         # Direct still works with the fallback off.
         check_direct(f.read(mem, 1 * MIB, 0), 1 * MIB)
@@ -311,7 +349,7 @@ def bad_arguments_raise_with_errno() -> None:
     mem, _, fd = vgpu(4 * MIB)
     with fgds.open(rig.nvme()) as f:
         expect_error(fgds.Error, lambda: f.read(mem, 4 * MIB + 4096), errno.EINVAL, "do not fit")
-        expect_error(fgds.Error, lambda: f.read(mem, 4096, 0, 4 * MIB), errno.EINVAL, "do not fit")
+        expect_error(fgds.Error, lambda: f.read(mem, 4096, 0, buf_offset=4 * MIB), errno.EINVAL, "do not fit")
         expect_error(fgds.Error, lambda: f.read(mem, 4096, -1), errno.EINVAL, "negative")
         expect_error(TypeError, lambda: f.read(mem, "4096"))  # type: ignore[arg-type]
         expect_error(TypeError, lambda: f.read(bytearray(4096)), text="not GPU memory")  # type: ignore[arg-type]
@@ -367,7 +405,7 @@ def registration_per_dmabuf_object() -> None:
             check_direct(f.read(mem, 2 * MIB, 0), 2 * MIB)
         with fgds.register(mem) as registered:
             assert registered.gpu == mem._memory.gpu and registered.nbytes == 2 * MIB
-            check_direct(f.read(registered, 1 * MIB, 6 * MIB, 1 * MIB), 1 * MIB)
+            check_direct(f.read(registered, 1 * MIB, 6 * MIB, buf_offset=1 * MIB), 1 * MIB)
         assert buffers() == before + 1, f"{buffers()} registrations after reuse"
     rig.gpu_check(bar, 1 * MIB, NVME_SEED, 0)
     rig.gpu_check(bar + 1 * MIB, 1 * MIB, NVME_SEED, 6 * MIB)
@@ -425,6 +463,7 @@ if __name__ == "__main__":
             ("fallback_misaligned_offsets_reported", fallback_misaligned_offsets_reported),
             ("unaligned_offsets_in_phase_go_direct", unaligned_offsets_in_phase_go_direct),
             ("safetensors_hf_layout_loads_direct", safetensors_hf_layout_loads_direct),
+            ("kvikio_signatures_and_defaults", kvikio_signatures_and_defaults),
             ("fallback_no_fgds_node_reported", fallback_no_fgds_node_reported),
             ("fallback_system_ram_dmabuf", fallback_system_ram_dmabuf),
             ("fallback_off_raises_with_the_reason", fallback_off_raises_with_the_reason),

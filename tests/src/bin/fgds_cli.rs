@@ -1,5 +1,6 @@
-//! The `fgds` CLI in the guest: `fgds list` shows the GPU and its mode, `fgds read` and
-//! `fgds write` move the right bytes through one GPU buffer, and `fgds bench` runs every mode,
+//! The `fgds` CLI in the guest: `fgds list` shows the GPU and its mode, `fgds cp` moves the
+//! right bytes into a GPU buffer, out of it, and from file to file through GPU memory, saying
+//! which path (and fails with a non-zero exit where it should), and `fgds bench` runs every mode,
 //! reporting each one's throughput as a ratio of `ram` and the drive's requests per I/O (p2pmem
 //! not offered, with the reason, where the exporter published no P2PDMA memory), and fails when
 //! a mode asked for cannot run.
@@ -23,8 +24,16 @@ fn main() {
             run: list_shows_the_gpu_and_its_mode,
         },
         Case {
-            name: "read_then_write_round_trip",
-            run: read_then_write_round_trip,
+            name: "cp_to_gpu_and_back",
+            run: cp_to_gpu_and_back,
+        },
+        Case {
+            name: "cp_file_to_file_through_gpu",
+            run: cp_file_to_file_through_gpu,
+        },
+        Case {
+            name: "cp_failures_exit_non_zero",
+            run: cp_failures_exit_non_zero,
         },
         Case {
             name: "bench_runs_every_mode",
@@ -33,15 +42,23 @@ fn main() {
     ])
 }
 
-fn fgds(args: &[&str]) -> anyhow::Result<String> {
+/// `fgds ARGS`: (exit status, stdout, stderr).
+fn fgds_run(args: &[&str]) -> anyhow::Result<(std::process::ExitStatus, String, String)> {
     let out = Command::new("/bin/fgds")
         .args(args)
         .output()
         .context("cannot run /bin/fgds")?;
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    Ok((
+        out.status,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+fn fgds(args: &[&str]) -> anyhow::Result<String> {
+    let (status, stdout, stderr) = fgds_run(args)?;
     ensure!(
-        out.status.success(),
+        status.success(),
         "fgds {} failed: {}\n{stdout}",
         args.join(" "),
         stderr.trim()
@@ -76,11 +93,12 @@ fn list_shows_the_gpu_and_its_mode() -> CaseResult {
     ktap::pass()
 }
 
-/// `fgds read` of the drive's pattern into one GPU buffer, then `fgds write` of that buffer to
-/// the drive's scratch area: the buffer is this program's (a vgpu dma-buf the CLI inherits with
-/// `--dmabuf-fd`), so the bytes are checked in GPU memory after the read (through vgpu's CPU
-/// mapping and by the host) and on the drive after the write.
-fn read_then_write_round_trip() -> CaseResult {
+/// `fgds cp DRIVE gpu:` of the drive's pattern into one GPU buffer, then `fgds cp gpu: DRIVE`
+/// of that buffer to the drive's scratch area: the buffer is this program's (a vgpu dma-buf the
+/// CLI inherits with `--dmabuf-fd`), so the bytes are checked in GPU memory after the first copy
+/// (through vgpu's CPU mapping and by the host) and on the drive after the second; each says
+/// its path, all of it direct.
+fn cp_to_gpu_and_back() -> CaseResult {
     const LEN: u64 = 4 << 20;
     const SCRATCH: u64 = 128 << 20;
     let nvme = fgds_tests::guest::nvme_path()?;
@@ -93,38 +111,140 @@ fn read_then_write_round_trip() -> CaseResult {
     let fd = dmabuf.as_raw_fd().to_string();
     let cpu = fgds::CpuMapping::new(dmabuf.as_fd(), LEN as usize)?;
     cpu.write(0, &vec![0x5a; LEN as usize]);
-    // The scratch area holds other data first, so that what the write put there shows.
+    // The scratch area holds other data first, so that what the copy put there shows.
     let drive = fgds_tests::guest::open_direct(&nvme, true)?;
     let mut ram = AlignedBuf::new(LEN as usize)?;
     ram.as_mut_slice().fill(0xa5);
     drive.write_all_at(ram.as_slice(), SCRATCH)?;
 
-    let len = LEN.to_string();
-    let out = fgds(&["read", &dev, "--dmabuf-fd", &fd, "--len", &len])?;
-    ensure!(out.contains("4194304 bytes"), "unexpected output: {out}");
+    let out = fgds(&["cp", &dev, "gpu:", "--dmabuf-fd", &fd, "--len", "4M"])?;
+    ktap::diag(out.trim());
+    ensure!(
+        out.contains("(4194304 bytes)") && out.contains("4.0 MiB direct, 0 B through RAM"),
+        "`fgds cp` does not say it moved 4 MiB direct: {out}"
+    );
     let mut got = vec![0u8; LEN as usize];
     cpu.read(0, &mut got);
     if let Some(at) = pattern::first_mismatch(pattern::NVME_SEED, 0, &got) {
-        bail!("after `fgds read` GPU memory differs from the drive at byte {at}");
+        bail!("after `fgds cp DRIVE gpu:` GPU memory differs from the drive at byte {at}");
     }
     ctl::gpu_check_at(bar_off, LEN, pattern::NVME_SEED, 0)
-        .context("after `fgds read`, GPU memory as the host sees it")?;
+        .context("after `fgds cp DRIVE gpu:`, GPU memory as the host sees it")?;
 
-    let scratch = SCRATCH.to_string();
     let out = fgds(&[
-        "write",
+        "cp",
+        "gpu:",
         &dev,
         "--dmabuf-fd",
         &fd,
         "--len",
-        &len,
-        "--file-offset",
-        &scratch,
+        "4M",
+        "--dst-offset",
+        "128M",
     ])?;
-    ensure!(out.contains("4194304 bytes"), "unexpected output: {out}");
+    ktap::diag(out.trim());
+    ensure!(out.contains("4.0 MiB direct"), "unexpected output: {out}");
     drive.read_exact_at(ram.as_mut_slice(), SCRATCH)?;
     if let Some(at) = pattern::first_mismatch(pattern::NVME_SEED, 0, ram.as_slice()) {
-        bail!("after `fgds write` the drive's scratch differs from the GPU buffer at byte {at}");
+        bail!(
+            "after `fgds cp gpu: DRIVE` the drive's scratch differs from the GPU buffer at byte {at}"
+        );
+    }
+    ktap::pass()
+}
+
+/// A file of a size that is no multiple of a block copied to another file through GPU memory
+/// a megabyte at a time: the bytes arrive, the progress line shows, the JSON names both legs,
+/// and the whole blocks went direct.
+fn cp_file_to_file_through_gpu() -> CaseResult {
+    let dir = std::path::PathBuf::from(
+        std::env::var("FGDS_EXT4").context("FGDS_EXT4 is not set: run inside the rig")?,
+    );
+    let (src, dst) = (dir.join("fgds-cli-src.bin"), dir.join("fgds-cli-dst.bin"));
+    const LEN: usize = (3 << 20) + 12345;
+    let mut data = vec![0u8; LEN];
+    pattern::fill(pattern::NVME_SEED, 0, &mut data);
+    std::fs::write(&src, &data)?;
+    let (s, d) = (src.to_string_lossy(), dst.to_string_lossy());
+    let (status, stdout, stderr) = fgds_run(&[
+        "cp",
+        &s,
+        &d,
+        "--vgpu",
+        "0",
+        "--buffer",
+        "1M",
+        "--progress",
+        "always",
+        "--json",
+    ])?;
+    ensure!(status.success(), "fgds cp failed: {stderr}");
+    ktap::diag(stdout.trim());
+    let progress = stderr.lines().filter(|l| l.contains("left")).count();
+    ensure!(
+        progress >= 4,
+        "{progress} progress lines for four pieces: {stderr}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&stdout)?;
+    ensure!(json["bytes"] == LEN, "bytes: {json}");
+    let legs = json["legs"].as_array().context("no legs")?;
+    ensure!(legs.len() == 2, "want a read and a write leg: {json}");
+    for leg in legs {
+        let direct = leg["direct"].as_u64().unwrap_or(0);
+        ensure!(
+            direct * 100 >= LEN as u64 * 99,
+            "less than 99% of the {} leg went direct: {leg}",
+            leg["op"]
+        );
+    }
+    let copied = std::fs::read(&dst)?;
+    ensure!(copied.len() == LEN, "the copy has {} bytes", copied.len());
+    ensure!(copied == data, "the copy differs from the source");
+    std::fs::remove_file(&src)?;
+    std::fs::remove_file(&dst)?;
+    ktap::pass()
+}
+
+/// A copy that cannot happen exits non-zero with a line that says why: a missing source, GPU
+/// memory as the source without a length, and a transfer that cannot go direct with the
+/// fallback off.
+fn cp_failures_exit_non_zero() -> CaseResult {
+    let dev = fgds_tests::guest::nvme_path()?
+        .to_string_lossy()
+        .into_owned();
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["cp", "/nonexistent", "gpu:", "--vgpu", "0"],
+            "/nonexistent",
+        ),
+        (&["cp", "gpu:", "/tmp/x", "--vgpu", "0"], "--len"),
+        (
+            &[
+                "cp",
+                &dev,
+                "gpu:",
+                "--vgpu",
+                "0",
+                "--len",
+                "100",
+                "--fallback",
+                "off",
+            ],
+            "no whole",
+        ),
+    ];
+    for (args, says) in cases {
+        let (status, stdout, stderr) = fgds_run(args)?;
+        ensure!(
+            !status.success(),
+            "fgds {} succeeded: {stdout}",
+            args.join(" ")
+        );
+        ensure!(
+            stderr.contains(says),
+            "fgds {} failed without saying {says:?}: {stderr}",
+            args.join(" ")
+        );
     }
     ktap::pass()
 }

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use common::MIB;
-use fgds::{Direction, Transfer, TransferConfig};
+use fgds::{Direction, Fallback, Options, Transfer, TransferConfig};
 use fgds_tests::guest::AlignedBuf;
 use fgds_tests::ktap::{self, Case, CaseResult};
 use fgds_tests::{ctl, pattern};
@@ -323,7 +323,13 @@ fn gpu_file_takes_and_names_the_kernel_path() -> CaseResult {
     let mem = registry.dmabuf_memory(dmabuf.as_fd(), 0, LEN, None)?;
     let nvme = fgds_tests::guest::nvme_path()?;
     let file = fgds::GpuFile::open(&nvme, "r")?;
-    let done = file.read(&mem, LEN, SCRATCH, 0, false)?;
+    let done = file.read(
+        &mem,
+        LEN,
+        SCRATCH,
+        0,
+        &Options::with_fallback(Fallback::Off),
+    )?;
     ktap::diag(format_args!("raw namespace: {done:?}"));
     ensure!(
         done.path == fgds::IoPath::UringDmabuf && done.reason.is_none() && done.bytes == LEN,
@@ -337,7 +343,7 @@ fn gpu_file_takes_and_names_the_kernel_path() -> CaseResult {
     pattern::fill(SEED_SENTINEL ^ 1, 0, data.as_mut_slice());
     std::fs::write(&path, data.as_slice())?;
     let file = fgds::GpuFile::open(&path, "r")?;
-    let done = file.read(&mem, LEN, 0, 0, true)?;
+    let done = file.read(&mem, LEN, 0, 0, &Options::DEFAULT)?;
     ktap::diag(format_args!("ext4 file: {done:?}"));
     let reason = done.reason.clone().unwrap_or_default();
     ensure!(

@@ -2,15 +2,15 @@
 //! direct path against the alternatives.
 
 mod bench;
+mod cp;
 mod drive;
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
-use fgds::{Direction, Gpu, Transfer, TransferConfig};
+use fgds::Gpu;
 
 #[derive(Parser)]
 #[command(
@@ -31,10 +31,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Read FILE (from --file-offset) into a GPU buffer.
-    Read(Io),
-    /// Write a GPU buffer into FILE (at --file-offset).
-    Write(Io),
+    /// Copy a file into GPU memory (`fgds cp FILE gpu:`), GPU memory into a file (`fgds cp gpu:
+    /// FILE`), or a file into another through GPU memory, by the best path, saying which.
+    Cp(cp::Cp),
     /// Measure throughput, latency and CPU time of direct, bounce, ram and p2pmem I/O.
     Bench(bench::Options),
     /// Which path a read into GPU memory would take on this machine, and why not the direct
@@ -65,35 +64,11 @@ pub struct Source {
     cuda: Option<i32>,
 }
 
-#[derive(clap::Args)]
-struct Io {
-    file: PathBuf,
-    #[command(flatten)]
-    source: Source,
-    /// Bytes to move (page aligned); defaults to the file's size rounded down to pages (read)
-    /// or is required (write).
-    #[arg(long)]
-    len: Option<u64>,
-    /// Offset in the file.
-    #[arg(long, default_value_t = 0)]
-    file_offset: u64,
-    /// Offset in the dma-buf.
-    #[arg(long, default_value_t = 0)]
-    dmabuf_offset: u64,
-    /// Bytes per io_uring request.
-    #[arg(long, default_value_t = TransferConfig::DEFAULT.chunk_size)]
-    chunk: usize,
-    /// io_uring requests in flight.
-    #[arg(long, default_value_t = TransferConfig::DEFAULT.queue_depth)]
-    depth: u32,
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.command {
         Command::List { json } => list(json),
-        Command::Read(io) => transfer(Direction::Read, &io),
-        Command::Write(io) => transfer(Direction::Write, &io),
+        Command::Cp(c) => cp::run(&c),
         Command::Bench(opts) => bench::run(&opts),
         Command::Doctor { json } => doctor(json),
     };
@@ -242,48 +217,4 @@ fn resolve_cuda(ordinal: i32, gpu: Option<&str>, len: u64) -> anyhow::Result<(Gp
             _cuda: Some(memory),
         },
     ))
-}
-
-fn page_align_down(n: u64) -> u64 {
-    n & !(rustix::param::page_size() as u64 - 1)
-}
-
-fn transfer(dir: Direction, io: &Io) -> anyhow::Result<()> {
-    let file = fgds::open_direct(&io.file, dir == Direction::Write)?;
-    let len = match (io.len, dir) {
-        (Some(len), _) => len,
-        (None, Direction::Read) => {
-            let size = std::fs::metadata(&io.file).map(|m| m.len()).unwrap_or(0);
-            let size = if size == 0 { device_size(&file)? } else { size };
-            page_align_down(size.saturating_sub(io.file_offset))
-        }
-        (None, Direction::Write) => {
-            bail!("give --len for write: how many bytes of GPU memory to write")
-        }
-    };
-    if len == 0 {
-        bail!("nothing to move: the file is empty past --file-offset");
-    }
-    let (gpu, dmabuf) = resolve(&io.source, io.dmabuf_offset + len)?;
-    let buffer = gpu.register(dmabuf.fd(), io.dmabuf_offset, len)?;
-    let mut t = Transfer::new(TransferConfig {
-        chunk_size: io.chunk,
-        queue_depth: io.depth,
-    })?;
-    let started = std::time::Instant::now();
-    let n = t
-        .run(dir, &buffer, 0..buffer.len(), &file, io.file_offset)
-        .context("transfer failed")?;
-    let secs = started.elapsed().as_secs_f64();
-    println!(
-        "{n} bytes in {secs:.3} s ({:.1} MiB/s)",
-        n as f64 / (1 << 20) as f64 / secs
-    );
-    Ok(())
-}
-
-fn device_size(file: &std::fs::File) -> anyhow::Result<u64> {
-    use std::io::Seek;
-    let mut f = file;
-    Ok(f.seek(std::io::SeekFrom::End(0))?)
 }
