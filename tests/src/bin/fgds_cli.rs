@@ -162,8 +162,9 @@ fn cp_file_to_file_through_gpu() -> CaseResult {
     );
     let (src, dst) = (dir.join("fgds-cli-src.bin"), dir.join("fgds-cli-dst.bin"));
     const LEN: usize = (3 << 20) + 12345;
-    let mut data = vec![0u8; LEN];
+    let mut data = vec![0u8; LEN.next_multiple_of(8)];
     pattern::fill(pattern::NVME_SEED, 0, &mut data);
+    data.truncate(LEN);
     std::fs::write(&src, &data)?;
     let (s, d) = (src.to_string_lossy(), dst.to_string_lossy());
     let (status, stdout, stderr) = fgds_run(&[
