@@ -123,6 +123,23 @@ fn read_until_error(
     rx
 }
 
+/// How a reader of [`read_until_error`] ended once `what` was removed: within [`BOUND`], after
+/// at least one full read; its error.
+fn reader_end(
+    end: Result<Ended, std::sync::mpsc::RecvTimeoutError>,
+    what: &str,
+) -> anyhow::Result<fgds::Error> {
+    let (ok, err) = end.map_err(|_| {
+        anyhow::anyhow!("the reader did not end within {BOUND:?} of {what}'s removal")
+    })?;
+    ktap::diag(format_args!("the reader: {ok} full reads, then {err}"));
+    ensure!(
+        ok > 0,
+        "the reader never completed a read before the unplug"
+    );
+    Ok(err)
+}
+
 /// The errno of a reader's end: EIO, ENODEV or ENXIO, or a short read (the namespace's capacity
 /// dropped to 0 during its removal).
 fn unplug_ending(err: &fgds::Error) -> bool {
@@ -162,14 +179,7 @@ fn nvme_unplug_during_reads() -> CaseResult {
         Ok(())
     };
     removed.context("device_del of the second drive")?;
-    let (ok, err) = end.map_err(|_| {
-        anyhow::anyhow!("the reader did not end within {BOUND:?} of the drive's removal")
-    })?;
-    ktap::diag(format_args!("the reader: {ok} full reads, then {err}"));
-    ensure!(
-        ok > 0,
-        "the reader never completed a read before the unplug"
-    );
+    let err = reader_end(end, "the drive")?;
     ensure!(
         unplug_ending(&err),
         "the reader ended with {err}, want EIO, ENODEV, ENXIO or a short read"
@@ -226,14 +236,7 @@ fn gpu_unplug_during_reads() -> CaseResult {
     });
     removed.context("device_del of the GPU")?;
     ktap::diag(format_args!("device_del of the GPU took {took:?}"));
-    let (ok, err) = end.map_err(|_| {
-        anyhow::anyhow!("the reader did not end within {BOUND:?} of the GPU's removal")
-    })?;
-    ktap::diag(format_args!("the reader: {ok} full reads, then {err}"));
-    ensure!(
-        ok > 0,
-        "the reader never completed a read before the unplug"
-    );
+    let err = reader_end(end, "the GPU")?;
     ensure!(
         [libc::EIO, libc::ENODEV, libc::EFAULT, libc::ENXIO].contains(&err.errno()),
         "the reader ended with {err}, want EIO, ENODEV, EFAULT or ENXIO"
