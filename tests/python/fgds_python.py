@@ -223,6 +223,53 @@ def safetensors_hf_layout_loads_direct() -> None:
     os.unlink(path)
 
 
+def safetensors_loader_reports_each_tensor() -> None:
+    """fgds.safetensors.load reads the tensors of a Hugging Face layout file in one transfer
+    into GPU memory at the file's phase: every tensor's bytes right, the big ones direct with
+    none through RAM, those in the partial first or last block reported bounced with the
+    reason, at most 1% of the bytes through RAM in all."""
+    import fgds.safetensors
+
+    sizes = [777, 4 * MIB + 3, 9000, 6 * MIB + 1, 100]
+    header, offsets, at = {}, [], 0
+    for i, n in enumerate(sizes):
+        header[f"t{i}"] = {"dtype": "U8", "shape": [n], "data_offsets": [at, at + n]}
+        offsets.append((f"t{i}", at, at + n))
+        at += n
+    text = json.dumps({"__metadata__": {"format": "pt"}, **header}).encode() + b"  "
+    data = rig.drive_bytes(MIB, at)
+    path = ext4_file("fgds-python-loader.safetensors", struct.pack("<Q", len(text)) + text + data)
+    size = (at + 2 * 4096 + MIB - 1) // MIB * MIB
+    mem, bar, fd = vgpu(size)
+    cpu = rig.cpu_map(fd, size)
+    loaded = fgds.safetensors.load(path, mem)
+    rig.diag(f"loader: {loaded.completed!r}, {loaded.completed.bounced} of {at} bytes through RAM")
+    assert loaded.completed.path == "direct", f"not direct: {loaded.completed!r}"
+    assert loaded.completed.bounced * 100 <= at, "more than 1% through RAM"
+    assert sum(t.bounced for t in loaded.tensors.values()) == loaded.completed.bounced, (
+        "the tensors' bytes through RAM do not add up to the transfer's"
+    )
+    for name, a, b in offsets:
+        t = loaded.tensors[name]
+        assert t.nbytes == b - a and t.tensor is None, f"{t!r}"
+        assert cpu[t.offset : t.offset + t.nbytes] == data[a:b], f"tensor {name} differs"
+        if t.nbytes >= 2 * MIB:
+            assert t.bounced == 0 and t.reason is None, f"a big tensor went through RAM: {t!r}"
+        if t.bounced:
+            assert t.reason and "partial block" in t.reason, f"{t!r}"
+    assert loaded.tensors["t4"].bounced > 0, "the last 100 bytes cannot have gone direct"
+    # A subset, read alone.
+    only = fgds.safetensors.load(path, mem, names=["t3"])
+    t3 = only.tensors["t3"]
+    assert list(only.tensors) == ["t3"] and t3.path == "direct", f"{only!r}"
+    a, b = offsets[3][1], offsets[3][2]
+    assert cpu[t3.offset : t3.offset + t3.nbytes] == data[a:b], "t3 read alone differs"
+    expect_error(KeyError, lambda: fgds.safetensors.load(path, mem, names=["nope"]))
+    cpu.close()
+    os.close(fd)
+    os.unlink(path)
+
+
 def kvikio_signatures_and_defaults() -> None:
     """kvikio's shapes: ``pread(buf, size, file_offset, task_size)``, ``defaults.set`` as a call
     and as a context manager, the three compatibility modes, ``CuFile(path, flags)``."""
@@ -464,6 +511,7 @@ if __name__ == "__main__":
             ("unaligned_offsets_in_phase_go_direct", unaligned_offsets_in_phase_go_direct),
             ("safetensors_hf_layout_loads_direct", safetensors_hf_layout_loads_direct),
             ("kvikio_signatures_and_defaults", kvikio_signatures_and_defaults),
+            ("safetensors_loader_reports_each_tensor", safetensors_loader_reports_each_tensor),
             ("fallback_no_fgds_node_reported", fallback_no_fgds_node_reported),
             ("fallback_system_ram_dmabuf", fallback_system_ram_dmabuf),
             ("fallback_off_raises_with_the_reason", fallback_off_raises_with_the_reason),

@@ -40,6 +40,12 @@ use io_uring::{IoUring, opcode, types};
 use crate::Source;
 use crate::drive;
 
+/// [`crate::cp::parse_size`] for a `usize` option.
+fn size_usize(text: &str) -> Result<usize, String> {
+    let n = crate::cp::parse_size(text)?;
+    usize::try_from(n).map_err(|_| format!("{text:?} is too large"))
+}
+
 #[derive(clap::Args)]
 pub struct Options {
     /// The file or block device to read or write (O_DIRECT); defaults to $FGDS_NVME.
@@ -47,14 +53,15 @@ pub struct Options {
     file: Option<PathBuf>,
     #[command(flatten)]
     source: Source,
-    /// Modes to run, in order (repeatable): ram, direct, bounce, p2pmem, or all.
+    /// Modes to run, in order (repeatable): ram, direct, bounce, p2pmem, or all (those four);
+    /// also bounce-serial, ram-again, ram-split and uring-dmabuf, only when named.
     #[arg(long = "mode", default_values_t = ["all".to_owned()])]
     modes: Vec<String>,
     /// read (file to memory) or write (memory to file).
     #[arg(long, default_value = "read")]
     op: String,
-    /// Bytes per request.
-    #[arg(long, default_value_t = 1 << 20)]
+    /// Bytes per request (`4K`, `1M`, ...).
+    #[arg(long, default_value = "1M", value_parser = size_usize)]
     block_size: usize,
     /// Requests in flight per thread.
     #[arg(long, default_value_t = 8)]
@@ -62,8 +69,8 @@ pub struct Options {
     /// Threads, each with its own io_uring and its own part of the buffer.
     #[arg(long, default_value_t = 1)]
     threads: usize,
-    /// Bytes to move per mode and repetition.
-    #[arg(long, default_value_t = 256 << 20)]
+    /// Bytes to move per mode and repetition (`256M`, ...).
+    #[arg(long, default_value = "256M", value_parser = crate::cp::parse_size)]
     total: u64,
     /// Run each repetition for this many seconds instead of moving --total bytes.
     #[arg(long)]
@@ -77,10 +84,10 @@ pub struct Options {
     #[arg(long)]
     turns: Option<usize>,
     /// Where in the file the I/O starts.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value = "0", value_parser = crate::cp::parse_size)]
     file_offset: u64,
     /// Bytes of the file the I/O cycles through, from --file-offset.
-    #[arg(long, default_value_t = 64 << 20)]
+    #[arg(long, default_value = "64M", value_parser = crate::cp::parse_size)]
     span: u64,
     /// Repetitions of each mode; the median is reported with the spread.
     #[arg(long, default_value_t = 3)]
