@@ -26,6 +26,8 @@
 #include <linux/workqueue.h>
 #include <linux/xarray.h>
 
+#include <uapi/linux/fgds.h>
+
 #include "fgds_config.h"
 
 /*
@@ -456,6 +458,12 @@ void fgds_cleanup_fn(struct work_struct *work);
  * @reissue: (io_uring commands) that issue's work
  * @ended: (io_uring commands) that issue ended at once, its write ended
  *	with it
+ * @prepared: (io_uring commands) fgds_io_prepare() succeeded: the request
+ *	holds what it took
+ * @arg: (io_uring commands) the command, copied from its submission queue
+ *	entry when it was first issued
+ * @file: (io_uring commands) the file @arg names, taken when the command was
+ *	first issued, until its preparation on fgds_io_wq takes it over
  */
 struct fgds_io_req {
 	struct kiocb kiocb;
@@ -471,6 +479,9 @@ struct fgds_io_req {
 	const struct cred *cred;
 	struct work_struct reissue;
 	bool ended;
+	bool prepared;
+	struct fgds_io arg;
+	struct file *file;
 };
 
 /* rw.c */
@@ -481,8 +492,8 @@ void fgds_buf_users_put(struct fgds_buf *buf);
 void fgds_buf_users_kill(struct fgds_buf *buf);
 bool fgds_buf_users_quiet(struct fgds_buf *buf);
 int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
-		    const struct fgds_io *arg, bool write, bool nowait,
-		    struct iov_iter *iter);
+		    const struct fgds_io *arg, struct file *file, bool write,
+		    bool nowait, struct iov_iter *iter);
 void fgds_io_rewind(struct fgds_io_req *req, struct iov_iter *iter);
 ssize_t fgds_io_issue(struct fgds_io_req *req, struct iov_iter *iter);
 void fgds_io_release(struct fgds_io_req *req);

@@ -205,24 +205,26 @@ void fgds_io_rewind(struct fgds_io_req *req, struct iov_iter *iter)
  *	sets ->ki_complete)
  * @f: the node's open file the call was made on
  * @arg: the call's struct fgds_io, copied from user space
+ * @file: the file @arg->fd named, a reference the caller took
  * @write: from the registration to the file (else from the file into it)
  * @nowait: the I/O may not wait (IOCB_NOWAIT): -EAGAIN for a file that
- *	cannot promise that
+ *	cannot promise that, or where the dma-buf is not yet attached as the
+ *	file's DMA device
  * @iter: set to the registration's bytes, as segments of @req
  *
  * On success @req holds a reference on the registration, a live reference of
- * its @users, and the file; fgds_io_release() gives them back once the I/O
- * has ended.
+ * its @users, and @file's reference; fgds_io_release() gives them back once
+ * the I/O has ended.
  *
- * Return: 0 or a negative errno (see struct fgds_io); nothing is held then.
+ * Return: 0 or a negative errno (see struct fgds_io); nothing is held then,
+ * and @file's reference is still the caller's.
  */
 int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
-		    const struct fgds_io *arg, bool write, bool nowait,
-		    struct iov_iter *iter)
+		    const struct fgds_io *arg, struct file *file, bool write,
+		    bool nowait, struct iov_iter *iter)
 {
 	struct pci_dev *dma_dev = NULL;
 	struct fgds_buf *buf;
-	struct file *file;
 	int ret;
 
 	if (arg->flags || (arg->idx & ~PAGE_MASK) || !arg->len ||
@@ -237,16 +239,12 @@ int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
 	ret = -EACCES;
 	if (!write && buf->readonly)
 		goto put_buf;
-	ret = -EBADF;
-	file = fget(arg->fd);
-	if (!file)
-		goto put_buf;
 	ret = -EAGAIN;
 	if (nowait && !(file->f_mode & FMODE_NOWAIT))
-		goto put_file;
+		goto put_buf;
 	ret = fgds_buf_users_get(buf);
 	if (ret)
-		goto put_file;
+		goto put_buf;
 	/* @users held: the provider, whose mode the gate reads, stays. */
 	ret = fgds_io_gate(buf->gpu, file, arg->fd, write, &dma_dev);
 	if (ret)
@@ -261,7 +259,7 @@ int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
 		if (!ret)
 			ret = fgds_buf_users_get(buf);
 		if (ret)
-			goto put_file;
+			goto put_buf;
 	}
 	init_sync_kiocb(&req->kiocb, file);
 	if (!(req->kiocb.ki_flags & IOCB_DIRECT)) {
@@ -290,8 +288,6 @@ int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
 
 put_users:
 	fgds_buf_users_put(buf);
-put_file:
-	fput(file);
 put_buf:
 	fgds_buf_put(buf);
 	return ret;
@@ -354,14 +350,21 @@ ssize_t fgds_io(struct fgds_file *f, const struct fgds_io *arg, bool write)
 {
 	struct fgds_io_req *req;
 	struct iov_iter iter;
+	struct file *file;
 	ssize_t ret;
 
 	req = kzalloc(sizeof(*req), GFP_KERNEL);
 	if (!req)
 		return -ENOMEM;
-	ret = fgds_io_prepare(req, f, arg, write, false, &iter);
-	if (ret)
+	ret = -EBADF;
+	file = fget(arg->fd);
+	if (!file)
 		goto free;
+	ret = fgds_io_prepare(req, f, arg, file, write, false, &iter);
+	if (ret) {
+		fput(file);
+		goto free;
+	}
 	ret = fgds_io_issue(req, &iter);
 	/*
 	 * A synchronous kiocb: the file's method waited for its I/O. One that

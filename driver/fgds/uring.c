@@ -5,16 +5,22 @@
  * FGDS_URING_CMD_READ/WRITE are FGDS_IOCTL_READ/WRITE as io_uring commands
  * (rw.c prepares and issues the I/O), on every kernel whose io_uring posts
  * their byte count (not 6.1: fgds_compat.h). The I/O is asynchronous, as
- * io_uring's own reads are: queued with IOCB_NOWAIT as the command is issued
- * (-EAGAIN where it would wait, and io_uring issues the command again from a
- * worker, which may), completed by the file system's ->ki_complete(), which
- * hands the command to task work: there the request lets go of the
- * registration's @users and the file, and the CQE is posted. An I/O that
- * ended with -EAGAIN after it was queued is issued again, waiting, from
- * fgds_io_wq with the submitter's credentials: task work runs under the
- * ring's uring_lock, which nothing may hold while it waits for the block
- * layer. Task work that runs because the task or its ring is going away
- * (io_uring's cancel) issues nothing: the command ends with -ECANCELED.
+ * io_uring's own reads are: queued with IOCB_NOWAIT as the command is issued,
+ * completed by the file system's ->ki_complete(), which hands the command to
+ * task work: there the request lets go of the registration's @users and the
+ * file, and the CQE is posted. Where the command would wait (the first use
+ * of a DMA device attaches the dma-buf as it, rw.c; the block layer has no
+ * request free for a NOWAIT I/O, at once or after it was queued), fgds does
+ * it again itself, waiting, from fgds_io_wq with the submitter's
+ * credentials, never by answering -EAGAIN: io_uring's own issue from a worker
+ * reads the command from the submission queue entry again, which on 6.12
+ * (io_uring_cmd() copies the entry but leaves the command pointing at the
+ * ring's, fixed upstream by "io_uring/uring_cmd: switch sqe to async_data on
+ * EAGAIN") may hold another command by then: a read of the wrong range,
+ * reported done. Task work runs under the ring's uring_lock, which nothing
+ * may hold while it waits for the block layer. Task work that runs because
+ * the task or its ring is going away (io_uring's cancel) issues nothing: the
+ * command ends with -ECANCELED.
  *
  * Lock order: the ring's uring_lock (held while a command is issued and
  * while its task work runs) -> f->lock, buf->lock (read).
@@ -42,6 +48,7 @@
 #ifdef FGDS_URING_CMD_RESULTS
 static void fgds_uring_io_complete(struct kiocb *kiocb, long ret);
 static FGDS_URING_TW_PROTO(fgds_uring_io_tw);
+static void fgds_uring_reissue_fn(struct work_struct *work);
 
 /*
  * An I/O that could not be queued without waiting (IOCB_NOWAIT), issued
@@ -68,6 +75,53 @@ static void fgds_uring_reissue_fn(struct work_struct *work)
 }
 
 /*
+ * A command that could not be prepared without waiting (the dma-buf not yet
+ * attached as its DMA device), prepared and issued on fgds_io_wq; its
+ * completion comes back through fgds_uring_io_complete(), or, where the
+ * preparation fails, ends the command with nothing held.
+ */
+static void fgds_uring_prepare_fn(struct work_struct *work)
+{
+	struct fgds_io_req *req = container_of(work, struct fgds_io_req,
+					       reissue);
+	struct io_uring_cmd *cmd = req->cmd;
+	const struct cred *old = override_creds(req->cred);
+	struct iov_iter iter;
+	ssize_t ret;
+
+	ret = fgds_io_prepare(req, cmd->file->private_data, &req->arg,
+			      req->file, cmd->cmd_op == FGDS_URING_CMD_WRITE,
+			      false, &iter);
+	if (ret)
+		fput(req->file);
+	req->file = NULL;
+	if (!ret) {
+		req->prepared = true;
+		req->kiocb.ki_complete = fgds_uring_io_complete;
+		ret = fgds_io_issue(req, &iter);
+	}
+	revert_creds(old);
+	if (ret == -EIOCBQUEUED)
+		return;
+	req->ret = ret;
+	req->ended = true;
+	io_uring_cmd_complete_in_task(cmd, fgds_uring_io_tw);
+}
+
+/*
+ * Hands @req to fgds_io_wq to be issued again (@fn: fgds_uring_reissue_fn)
+ * or prepared and issued (fgds_uring_prepare_fn), waiting, with the current
+ * task's credentials.
+ */
+static void fgds_uring_defer(struct fgds_io_req *req, work_func_t fn)
+{
+	req->kiocb.ki_flags &= ~IOCB_NOWAIT;
+	req->cred = get_current_cred();
+	INIT_WORK(&req->reissue, fn);
+	queue_work(fgds_io_wq, &req->reissue);
+}
+
+/*
  * The I/O ended and its task work runs, under the ring's uring_lock: the
  * CQE, after everything is let go. An I/O that could not be queued without
  * waiting goes to fgds_uring_reissue_fn(), unless the task or its ring is
@@ -79,22 +133,20 @@ static void fgds_uring_io_done(struct io_uring_cmd *cmd,
 	struct fgds_io_req *req = *io_uring_cmd_to_pdu(cmd, struct fgds_io_req *);
 	long ret = req->ret;
 
-	if (req->write && !req->ended)
+	if (req->prepared && req->write && !req->ended)
 		kiocb_end_write(&req->kiocb);
 	if (ret == -EAGAIN && (req->kiocb.ki_flags & IOCB_NOWAIT)) {
 		if (dead) {
 			ret = -ECANCELED;
 		} else {
-			req->kiocb.ki_flags &= ~IOCB_NOWAIT;
-			req->cred = get_current_cred();
-			INIT_WORK(&req->reissue, fgds_uring_reissue_fn);
-			queue_work(fgds_io_wq, &req->reissue);
+			fgds_uring_defer(req, fgds_uring_reissue_fn);
 			return;
 		}
 	}
 	if (req->cred)
 		put_cred(req->cred);
-	fgds_io_release(req);
+	if (req->prepared)
+		fgds_io_release(req);
 	kfree(req);
 	fgds_uring_cmd_done(cmd, ret, issue_flags);
 }
@@ -116,6 +168,7 @@ static int fgds_uring_io(struct io_uring_cmd *cmd, unsigned int issue_flags)
 	struct fgds_io_req *req;
 	struct iov_iter iter;
 	struct fgds_io arg;
+	struct file *file;
 	ssize_t ret;
 
 	if (!(issue_flags & IO_URING_F_SQE128)) {
@@ -128,21 +181,41 @@ static int fgds_uring_io(struct io_uring_cmd *cmd, unsigned int issue_flags)
 	req = kzalloc(sizeof(*req), GFP_KERNEL);
 	if (!req)
 		return -ENOMEM;
-	/*
-	 * Not allowed to block, the I/O is queued with IOCB_NOWAIT; where it
-	 * would wait to be queued, -EAGAIN, and io_uring issues the command
-	 * again from a worker, which may wait.
-	 */
-	ret = fgds_io_prepare(req, f, &arg, cmd->cmd_op == FGDS_URING_CMD_WRITE,
-			      issue_flags & IO_URING_F_NONBLOCK, &iter);
-	if (ret)
-		goto free;
 	req->cmd = cmd;
-	req->kiocb.ki_complete = fgds_uring_io_complete;
+	req->arg = arg;
 	*io_uring_cmd_to_pdu(cmd, struct fgds_io_req *) = req;
+	/*
+	 * Not allowed to block where io_uring says so: the I/O is queued with
+	 * IOCB_NOWAIT, and what would wait goes to fgds_io_wq (top of file).
+	 */
+	ret = -EBADF;
+	file = fget(arg.fd);
+	if (!file)
+		goto free;
+	ret = fgds_io_prepare(req, f, &arg, file,
+			      cmd->cmd_op == FGDS_URING_CMD_WRITE,
+			      issue_flags & IO_URING_F_NONBLOCK, &iter);
+	if (ret == -EAGAIN && (issue_flags & IO_URING_F_NONBLOCK)) {
+		/* The file was resolved here: a worker has no file table. */
+		req->file = file;
+		fgds_uring_defer(req, fgds_uring_prepare_fn);
+		return -EIOCBQUEUED;
+	}
+	if (ret) {
+		fput(file);
+		goto free;
+	}
+	req->prepared = true;
+	req->kiocb.ki_complete = fgds_uring_io_complete;
 	ret = fgds_io_issue(req, &iter);
 	if (ret == -EIOCBQUEUED)
 		return -EIOCBQUEUED;
+	if (ret == -EAGAIN && (req->kiocb.ki_flags & IOCB_NOWAIT)) {
+		/* Not queued: the file's method ended its write. */
+		req->ended = true;
+		fgds_uring_defer(req, fgds_uring_reissue_fn);
+		return -EIOCBQUEUED;
+	}
 	/* Ended at once (an error, or no I/O left to queue). */
 	fgds_io_release(req);
 free:
