@@ -288,7 +288,18 @@ fn bench_runs_every_mode() -> CaseResult {
         // Against the same drive in the same turns, no mode can be much faster than ram, and
         // direct (the same drive's DMA, no copy) not much slower; bounce adds a CPU copy,
         // which under emulation costs it most of ram's rate.
-        let plausible = if m == "bounce" { 0.01..=1.5 } else { 0.5..=1.5 };
+        // Under KASAN (the debug kernels, `uname -r` ending in -debug) every kernel memory
+        // access is checked, and direct's requests go through more kernel code than ram's
+        // (fgds's command, the gate, the P2PDMA mapping): 0.45 to 0.50 of ram measured on
+        // build:6.12+debug with this driver and the one before.
+        let debug = std::fs::read_to_string("/proc/sys/kernel/osrelease")?
+            .trim()
+            .ends_with("-debug");
+        let plausible = match (m, debug) {
+            ("bounce", _) => 0.01..=1.5,
+            ("direct", true) => 0.25..=1.5,
+            _ => 0.5..=1.5,
+        };
         ensure!(
             row["ratio_to_ram"]
                 .as_f64()
