@@ -235,8 +235,8 @@ static int fgds_uring_io(struct io_uring_cmd *cmd, unsigned int issue_flags)
  * @cmd: the command
  * @issue_flags: its issue flags
  *
- * Return: the CQE's result: bytes moved, or a negative errno; -EAGAIN to be
- * issued again from an io_uring worker.
+ * Return: the CQE's result: bytes moved, or a negative errno; -EIOCBQUEUED
+ * while it is under way. Never -EAGAIN (top of file).
  */
 int fgds_uring_cmd(struct io_uring_cmd *cmd, unsigned int issue_flags)
 {
