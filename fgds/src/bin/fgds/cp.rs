@@ -338,7 +338,7 @@ fn report(cp: &Cp, legs: &[(&str, Tally)], took: Duration) -> anyhow::Result<()>
         return Ok(());
     }
     let mut line = format!(
-        "{} -> {}: {} ({bytes} bytes) in {secs:.2} s ({}/s)",
+        "{} to {}, {} ({bytes} bytes) in {secs:.2} s ({}/s)",
         cp.src,
         cp.dst,
         human(bytes),
