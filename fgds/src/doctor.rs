@@ -201,12 +201,15 @@ pub enum P2pSupport {
     No,
 }
 
-/// The `fgds` group.
+/// The `fgds` group, and the limit registrations count against.
 #[derive(Debug, Clone, Default)]
 pub struct Group {
     pub gid: Option<u32>,
     pub member: bool,
     pub root: bool,
+    /// This process's RLIMIT_MEMLOCK (soft) in bytes, `Some(None)` for unlimited, from
+    /// `/proc/self/limits`; `None` where it cannot be read.
+    pub memlock: Option<Option<u64>>,
 }
 
 /// Which path a read into GPU memory would take.
@@ -381,6 +384,20 @@ fn group(root: &Path, who: &Identity) -> Group {
         gid,
         member: gid.is_some_and(|g| who.gids.contains(&g)),
         root: who.uid == 0,
+        memlock: memlock(root),
+    }
+}
+
+/// The soft `Max locked memory` of `proc/self/limits`: bytes, or `Some(None)` for unlimited.
+fn memlock(root: &Path) -> Option<Option<u64>> {
+    let text = read(root, "proc/self/limits")?;
+    let line = text.lines().find(|l| l.starts_with("Max locked memory"))?;
+    let soft = line["Max locked memory".len()..]
+        .split_whitespace()
+        .next()?;
+    match soft {
+        "unlimited" => Some(None),
+        n => n.parse().ok().map(Some),
     }
 }
 
@@ -986,6 +1003,19 @@ impl Report {
                 ),
             },
         );
+        line(
+            "memlock",
+            match self.group.memlock {
+                None => "unknown (no /proc/self/limits)".to_owned(),
+                Some(None) => "unlimited for this process".to_owned(),
+                Some(Some(bytes)) => format!(
+                    "{} KiB for this process: registrations of GPU memory count against \
+                     RLIMIT_MEMLOCK unless you have CAP_IPC_LOCK (raise it with ulimit -l or \
+                     limits.conf; the fgds package sets 1 TiB for the fgds group)",
+                    bytes >> 10
+                ),
+            },
+        );
         let v = &self.verdict;
         line("path", v.path.clone());
         for b in &v.blockers {
@@ -1046,7 +1076,8 @@ impl Report {
                 "p2p": format!("{:?}", d.p2p),
                 "merging": d.merging,
             })).collect::<Vec<_>>(),
-            "group": {"gid": self.group.gid, "member": self.group.member, "root": self.group.root},
+            "group": {"gid": self.group.gid, "member": self.group.member, "root": self.group.root,
+                      "memlock_bytes": self.group.memlock.map(|m| m.map_or(json!("unlimited"), |b| json!(b)))},
             "uring_dmabuf": match &self.uring_dmabuf {
                 Ok(()) => json!({"available": true}),
                 Err(why) => json!({"available": false, "why": why}),
@@ -1065,6 +1096,25 @@ impl Report {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The limit registrations count against, read from /proc/self/limits.
+    #[test]
+    fn memlock_is_read_from_proc() {
+        let fx = Fixture::new("memlock");
+        fx.write(
+            "proc/self/limits",
+            "Limit                     Soft Limit           Hard Limit           Units\n\
+             Max locked memory         8388608              8388608              bytes\n",
+        );
+        assert_eq!(memlock(&fx.root), Some(Some(8 << 20)));
+        fx.write(
+            "proc/self/limits",
+            "Max locked memory         unlimited            unlimited            bytes\n",
+        );
+        assert_eq!(memlock(&fx.root), Some(None));
+        let empty = Fixture::new("memlock-none");
+        assert_eq!(memlock(&empty.root), None);
+    }
 
     /// A fake root directory, removed when dropped.
     struct Fixture {

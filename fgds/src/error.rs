@@ -120,8 +120,11 @@ impl Error {
     }
 }
 
-fn reg_hint(errno: rustix::io::Errno) -> &'static str {
+fn reg_hint(errno: rustix::io::Errno) -> String {
     use rustix::io::Errno;
+    if errno == Errno::NOMEM {
+        return memlock_hint();
+    }
     match errno {
         Errno::INVAL => {
             " (offset and size must be page aligned and inside the dma-buf, and the dma-buf must be GPU memory of this GPU; see the kernel log)"
@@ -138,6 +141,22 @@ fn reg_hint(errno: rustix::io::Errno) -> &'static str {
         Errno::NODEV => " (the GPU is gone or has no driver)",
         _ => "",
     }
+    .to_owned()
+}
+
+/// Why a registration can fail with ENOMEM: fgds charges it to the process's RLIMIT_MEMLOCK
+/// (as io_uring and RDMA charge pinned memory), unless it has CAP_IPC_LOCK.
+fn memlock_hint() -> String {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock).current;
+    let now = match limit {
+        Some(bytes) => format!("{} KiB", bytes >> 10),
+        None => "unlimited".to_owned(),
+    };
+    format!(
+        " (registrations count against RLIMIT_MEMLOCK, {now} for this process: raise it with \
+         ulimit -l or limits.conf (the fgds package sets one for the fgds group), or grant \
+         CAP_IPC_LOCK; else the kernel is short of memory)"
+    )
 }
 
 fn cuda_hint(code: i32) -> &'static str {

@@ -276,6 +276,12 @@ fn build_dkms(root: &Path, out: &Path, version: &str) -> anyhow::Result<PathBuf>
         "etc/modprobe.d/fgds.conf",
         0o644,
     )?;
+    install(
+        &pkg.join("fgds-limits.conf"),
+        &stage,
+        "etc/security/limits.d/fgds.conf",
+        0o644,
+    )?;
     let maintainer = maintainer();
     let vars = [("VERSION", version), ("MAINTAINER", maintainer.as_str())];
     docs(root, &stage, "fgds-dkms", &vars)?;
@@ -290,7 +296,7 @@ fn build_dkms(root: &Path, out: &Path, version: &str) -> anyhow::Result<PathBuf>
     write(
         &stage,
         "DEBIAN/conffiles",
-        "/etc/modprobe.d/fgds.conf\n",
+        "/etc/modprobe.d/fgds.conf\n/etc/security/limits.d/fgds.conf\n",
         0o644,
     )?;
     let size = md5sums(&stage)?.to_string();
