@@ -51,6 +51,20 @@ static FGDS_URING_TW_PROTO(fgds_uring_io_tw);
 static void fgds_uring_reissue_fn(struct work_struct *work);
 
 /*
+ * After an issue on fgds_io_wq: an I/O under way completes through
+ * fgds_uring_io_complete(); one that ended at once (its write ended with it
+ * by the file's method), or a preparation that failed, ends the command.
+ */
+static void fgds_uring_issued(struct fgds_io_req *req, ssize_t ret)
+{
+	if (ret == -EIOCBQUEUED)
+		return;
+	req->ret = ret;
+	req->ended = true;
+	io_uring_cmd_complete_in_task(req->cmd, fgds_uring_io_tw);
+}
+
+/*
  * An I/O that could not be queued without waiting (IOCB_NOWAIT), issued
  * again, waiting, on fgds_io_wq; its completion comes back through
  * fgds_uring_io_complete() as the first one's would have.
@@ -66,12 +80,7 @@ static void fgds_uring_reissue_fn(struct work_struct *work)
 	fgds_io_rewind(req, &iter);
 	ret = fgds_io_issue(req, &iter);
 	revert_creds(old);
-	if (ret == -EIOCBQUEUED)
-		return;
-	/* Ended at once: the file's method also ended its write. */
-	req->ret = ret;
-	req->ended = true;
-	io_uring_cmd_complete_in_task(req->cmd, fgds_uring_io_tw);
+	fgds_uring_issued(req, ret);
 }
 
 /*
@@ -101,11 +110,7 @@ static void fgds_uring_prepare_fn(struct work_struct *work)
 		ret = fgds_io_issue(req, &iter);
 	}
 	revert_creds(old);
-	if (ret == -EIOCBQUEUED)
-		return;
-	req->ret = ret;
-	req->ended = true;
-	io_uring_cmd_complete_in_task(cmd, fgds_uring_io_tw);
+	fgds_uring_issued(req, ret);
 }
 
 /*
