@@ -875,6 +875,7 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
     let (mut before, mut after, mut overlapped) = (0u32, 0u32, 0u32);
     // Rounds where the revocation began while the UNREG ran: with the race window, inside it.
     let mut during = 0u32;
+    let mut longest_revocation = Duration::ZERO;
     let windowed = window.0.is_some();
     let seen_both =
         |b: u32, a: u32, o: u32, d: u32| b > 0 && a > 0 && o > 0 && (!windowed || d > 0);
@@ -910,10 +911,13 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
             .collect();
         std::thread::sleep(Duration::from_millis(5));
         // Every other round the UNREG starts first and the revocation follows it; the second
-        // starts a little later each time: 50 us steps up to 4 ms, past a revocation that
-        // waits for a read in flight.
+        // starts a little later each time: 80 steps up to the longest revocation seen so far
+        // and half again (at least 4 ms), past a revocation that waits for a read in flight
+        // (tens of ms under KASAN on a busy host).
         let unreg_first = rounds % 2 == 1;
-        let delay = Duration::from_micros(u64::from((rounds / 2) % 80) * 50);
+        let span = (longest_revocation * 3 / 2)
+            .clamp(Duration::from_millis(4), Duration::from_millis(200));
+        let delay = span * ((rounds / 2) % 80) / 80;
         let spin = |d: Duration| {
             let from = Instant::now();
             while from.elapsed() < d {
@@ -942,6 +946,7 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
             }
         });
         let (revoke_began, revoke_ended) = revoked.context("revoke")?;
+        longest_revocation = longest_revocation.max(revoke_ended - revoke_began);
         if revoke_began > unreg_began && revoke_began < unreg_ended {
             during += 1;
         }
@@ -963,7 +968,8 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
     ktap::diag(format_args!(
         "{rounds} rounds, {reads} reads through the busy registration; the UNREG ended before \
          the revocation began in {before}, began after it ended in {after}, overlapped it in \
-         {overlapped}; the revocation began while the UNREG ran in {during}"
+         {overlapped}; the revocation began while the UNREG ran in {during}; the longest \
+         revocation took {longest_revocation:?}"
     ));
     // A race proves something only if it went both ways, and through the window between.
     ensure!(
