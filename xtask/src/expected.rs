@@ -261,6 +261,7 @@ const VGPU_PROGRAMS: &[&str] = &[
     "fgds_fault_inject",
     "fgds_cli",
     "fgds_crate",
+    "fgds_fio",
     "fgds_python",
     "fgds_owner",
     "vgpu_exporter",
@@ -379,6 +380,24 @@ pub const SKIPS: &[Skip] = &[
               brd and dm-crypt are refused there the same way",
     },
     Skip {
+        cases: &[
+            "fgds_fio::write_then_verify_depth_8",
+            "fgds_fio::randwrite_verify_4k_depth_32",
+            "fgds_fio::ext4_file_verify",
+        ],
+        when: &[When::SeriesBelow(6, 12)],
+        reason: "EOPNOTSUPP: this kernel's io_uring loses the byte count",
+        why: "the fgds engine's default path is fgds's io_uring commands, offered from 6.12; \
+              fgds_fio::ioctl_path_verify runs the engine with fgds_ioctl=1 there",
+    },
+    Skip {
+        cases: &["fgds_fio::tmpfs_file_fails_with_eremoteio"],
+        when: &[When::SeriesBelow(6, 6)],
+        reason: "this kernel's tmpfs takes no O_DIRECT",
+        why: "tmpfs opens files O_DIRECT from Linux 6.6; fgds_gate checks the refusal of other \
+              files fgds cannot reach on every kernel",
+    },
+    Skip {
         cases: &["fgds_gate::ram_and_gpu_alternating_in_one_batch"],
         when: &[When::SeriesBelow(6, 12)],
         reason: "EOPNOTSUPP: this kernel's io_uring loses the byte count",
@@ -440,6 +459,7 @@ pub const SKIPS: &[Skip] = &[
             "fgds_owner::exporter_refusing_the_dma_device_is_eremoteio",
             "fgds_cli",
             "fgds_crate",
+            "fgds_fio",
             "fgds_python",
         ],
         when: &[When::Mode(&[Mode::Refused])],

@@ -38,6 +38,9 @@ pub struct SuiteEntry {
     /// A Python program of tests/python/ (`NAME.py` in the suite list), run by the guest's
     /// Python (xtask/src/python.rs) through its `#!` line.
     pub python: bool,
+    /// The program runs fio (`+fio` on its suite line): the guest gets fio and the `fgds`
+    /// engine (xtask/src/fio.rs).
+    pub fio: bool,
 }
 
 impl SuiteEntry {
@@ -125,7 +128,8 @@ pub fn bin_dir() -> PathBuf {
         .join("release")
 }
 
-/// The default suite, from tests/suite.txt (`name timeout-seconds` per line, in run order).
+/// The default suite, from tests/suite.txt (`name timeout-seconds [+fio]` per line, in run
+/// order).
 pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
     let path = crate::project_root().join("tests/suite.txt");
     let text = std::fs::read_to_string(&path)
@@ -136,13 +140,20 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
         .map(str::trim)
         .filter(|l| !l.is_empty() && !l.starts_with('#'))
     {
-        let (name, timeout) = line
-            .split_once(char::is_whitespace)
-            .unwrap_or((line, "120"));
-        let timeout_secs = timeout
-            .trim()
+        let mut words = line.split_whitespace();
+        let name = words.next().unwrap_or_default();
+        let timeout_secs = words
+            .next()
+            .unwrap_or("120")
             .parse()
             .with_context(|| format!("bad timeout in {}: {line:?}", path.display()))?;
+        let mut fio = false;
+        for word in words {
+            match word {
+                "+fio" => fio = true,
+                _ => bail!("{}: {line:?}: unknown {word:?} (+fio is known)", path.display()),
+            }
+        }
         let entry = if let Some(stem) = name.strip_suffix(".c") {
             SuiteEntry {
                 name: stem.to_owned(),
@@ -150,6 +161,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 timeout_secs,
                 c_source: Some(crate::project_root().join("tests/c").join(name)),
                 python: false,
+                fio,
             }
         } else if let Some(stem) = name.strip_suffix(".py") {
             SuiteEntry {
@@ -158,6 +170,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 timeout_secs,
                 c_source: None,
                 python: true,
+                fio,
             }
         } else {
             SuiteEntry {
@@ -166,6 +179,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 timeout_secs,
                 c_source: None,
                 python: false,
+                fio,
             }
         };
         suite.push(entry);
@@ -185,6 +199,7 @@ pub fn exec_entry(path: &Path, timeout_secs: u64) -> anyhow::Result<SuiteEntry> 
     Ok(SuiteEntry {
         c_source: None,
         python: false,
+        fio: false,
         name: format!("exec:{name}"),
         path: path.to_path_buf(),
         timeout_secs,
@@ -227,7 +242,8 @@ pub struct GuestSetup<'a> {
 
 /// Writes the initramfs for a run to `out` and returns the plan it holds. `python` is the
 /// guest's Python staged for the suite's Python programs ([`crate::python::stage_guest`]),
-/// with their helper modules.
+/// with their helper modules; `staged` are more staged trees (fio's, [`crate::fio`]).
+#[allow(clippy::too_many_arguments)]
 pub fn make_initramfs(
     kernel: &Kernel,
     cache_dir: &Path,
@@ -235,9 +251,13 @@ pub fn make_initramfs(
     setup: &GuestSetup,
     suite: &[SuiteEntry],
     python: Option<(&Path, &[PathBuf])>,
+    staged: &[PathBuf],
     out: &Path,
 ) -> anyhow::Result<String> {
     let mut tree = initramfs::base_tree();
+    for root in staged {
+        crate::python::add_to_tree(root, &mut tree)?;
+    }
     if let Some((root, modules)) = python {
         crate::python::add_to_tree(root, &mut tree)?;
         for module in modules {

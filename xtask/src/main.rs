@@ -11,6 +11,7 @@ mod boot_loop;
 mod ci;
 mod driver;
 mod expected;
+mod fio;
 mod fuzz;
 mod guest;
 mod host;
@@ -52,6 +53,10 @@ enum Command {
     /// Run the concurrency fuzzer on a debug kernel (KASAN, lockdep, kmemleak) for some minutes:
     /// its checks, the kernel's splats and leaks, operations per second and per outcome.
     Fuzz(fuzz::Options),
+    /// fio in the guest: the `fgds` ioengine (fio/fgds.c) into GPU memory against fio's own
+    /// `io_uring` into RAM, reads and writes, 4 KiB to 4 MiB, depth 1 and 32; the table goes to
+    /// docs/performance.md.
+    Fio(fio::Options),
     /// Run checkpatch.pl --strict and sparse over driver/.
     CheckDriver(ci::DriverOptions),
     /// Check the rig's own verdicts: programs that pass, fail, skip and panic the kernel.
@@ -79,6 +84,7 @@ fn main() -> std::process::ExitCode {
         Command::Wheel(opts) => python::wheel(&opts),
         Command::BootLoop(opts) => boot_loop::boot_loop(&opts),
         Command::Fuzz(opts) => fuzz::fuzz(&opts),
+        Command::Fio(opts) => fio::fio(&opts),
     };
     match res {
         Ok(code) => code,

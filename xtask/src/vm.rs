@@ -13,7 +13,7 @@ use fgds_vm_images::{disk, kernel};
 use crate::expected::{self, RunConfig};
 use crate::host::{self, Phases};
 use crate::report::{self, Outcome};
-use crate::{driver, guest, package, python, run_memory};
+use crate::{driver, fio, guest, package, python, run_memory};
 
 /// Seconds the guest gets to boot and load modules, on top of the tests' own timeouts.
 const BOOT_ALLOWANCE_SECS: u64 = 120;
@@ -277,6 +277,8 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
                 timeout_secs: *timeout_secs,
                 c_source: None,
                 python: false,
+                // A program of the suite keeps what its suite line asks for.
+                fio: suite.iter().any(|e| e.name == *name && e.fio),
             })
             .collect();
     }
@@ -303,6 +305,11 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
         })?)
     } else {
         None
+    };
+    let staged = if suite.iter().any(|e| e.fio) {
+        vec![phases.run("fio", fio::stage_guest)?]
+    } else {
+        Vec::new()
     };
     for exec in &opts.exec {
         suite.push(guest::exec_entry(exec, EXEC_TIMEOUT_SECS)?);
@@ -356,7 +363,9 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
             .as_ref()
             .map(|(root, modules)| (root.as_path(), modules.as_slice()));
         let plan =
-            guest::make_initramfs(&kernel, &cache, &bin_dir, &setup, &suite, python, &initrd)?;
+            guest::make_initramfs(
+                &kernel, &cache, &bin_dir, &setup, &suite, python, &staged, &initrd,
+            )?;
         std::fs::write(run_dir.join("plan.txt"), plan)?;
         Ok(())
     })?;
