@@ -151,7 +151,10 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
         for word in words {
             match word {
                 "+fio" => fio = true,
-                _ => bail!("{}: {line:?}: unknown {word:?} (+fio is known)", path.display()),
+                _ => bail!(
+                    "{}: {line:?}: unknown {word:?} (+fio is known)",
+                    path.display()
+                ),
             }
         }
         let entry = if let Some(stem) = name.strip_suffix(".c") {

@@ -362,10 +362,9 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
         let python = python
             .as_ref()
             .map(|(root, modules)| (root.as_path(), modules.as_slice()));
-        let plan =
-            guest::make_initramfs(
-                &kernel, &cache, &bin_dir, &setup, &suite, python, &staged, &initrd,
-            )?;
+        let plan = guest::make_initramfs(
+            &kernel, &cache, &bin_dir, &setup, &suite, python, &staged, &initrd,
+        )?;
         std::fs::write(run_dir.join("plan.txt"), plan)?;
         Ok(())
     })?;

@@ -442,6 +442,28 @@ fn bench_runs_every_mode() -> CaseResult {
         text.contains("x ram"),
         "the table has no ratio column:\n{text}"
     );
+    // One gdsio-shaped line per mode that ran: fgds's direct path as GDS's GPUD.
+    for (xfer, mode) in [
+        ("GPUD", "direct"),
+        ("CPUONLY", "ram"),
+        ("CPU_GPU", "bounce"),
+    ] {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("IoType: READ XferType: {xfer} ({mode}) Threads: ")))
+            .with_context(|| format!("no gdsio line for {mode}:\n{text}"))?;
+        let gib_s = line
+            .split("Throughput: ")
+            .nth(1)
+            .and_then(|t| t.split_whitespace().next())
+            .and_then(|t| t.parse::<f64>().ok());
+        ensure!(
+            gib_s.is_some_and(|g| g > 0.0)
+                && line.contains("DataSetSize: 16384/16384(KiB) IOSize: 1024(KiB)")
+                && line.contains("usecs ops: 16 total_time"),
+            "the gdsio line for {mode} is not gdsio's shape or has no throughput: {line}"
+        );
+    }
     // A mode asked for by name that cannot be set up fails the run, saying which and why:
     // p2pmem where it is not offered (most configurations), else direct on a GPU that fgds
     // does not serve.

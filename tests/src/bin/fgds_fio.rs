@@ -117,11 +117,7 @@ fn moved(run: &Run) -> anyhow::Result<(u64, u64, i64)> {
 /// A write job with fio's verify: every block written from GPU memory, then read back into
 /// GPU memory and checked by fio.
 fn verified_write(filename: &str, size: u64, extra: &[&str]) -> CaseResult {
-    let mut opts = vec![
-        "--verify=crc32c",
-        "--verify_fatal=1",
-        "--do_verify=1",
-    ];
+    let mut opts = vec!["--verify=crc32c", "--verify_fatal=1", "--do_verify=1"];
     opts.extend_from_slice(extra);
     let size = format!("--size={size}");
     opts.push(&size);
@@ -142,7 +138,9 @@ fn verified_write(filename: &str, size: u64, extra: &[&str]) -> CaseResult {
         "fio wrote {written} and verified {read} bytes, not {want} each:\n{}",
         run.text
     );
-    ktap::diag(format_args!("{want} bytes written from GPU memory and verified"));
+    ktap::diag(format_args!(
+        "{want} bytes written from GPU memory and verified"
+    ));
     ktap::pass()
 }
 
@@ -151,7 +149,12 @@ fn write_then_verify_depth_8() -> CaseResult {
     verified_write(
         &nvme.to_string_lossy(),
         16 * MIB,
-        &["--rw=write", "--bs=64k", "--iodepth=8", &format!("--offset={AREA}")],
+        &[
+            "--rw=write",
+            "--bs=64k",
+            "--iodepth=8",
+            &format!("--offset={AREA}"),
+        ],
     )
 }
 
@@ -160,7 +163,12 @@ fn randwrite_verify_4k_depth_32() -> CaseResult {
     verified_write(
         &nvme.to_string_lossy(),
         4 * MIB,
-        &["--rw=randwrite", "--bs=4k", "--iodepth=32", &format!("--offset={AREA}")],
+        &[
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=32",
+            &format!("--offset={AREA}"),
+        ],
     )
 }
 
@@ -212,7 +220,10 @@ fn tmpfs_file_fails_with_eremoteio() -> CaseResult {
         run.text
     );
     if let Ok((read, _, _)) = moved(&run) {
-        ensure!(read == 0, "fio counted {read} bytes read from tmpfs as moved");
+        ensure!(
+            read == 0,
+            "fio counted {read} bytes read from tmpfs as moved"
+        );
     }
     ktap::pass()
 }
@@ -234,7 +245,24 @@ fn buffered_job_refused() -> CaseResult {
     ktap::pass()
 }
 
-/// The grid: each workload, block size and depth with both engines on the same drive area.
+/// The grid's engines: fgds's into GPU memory; fio's io_uring into RAM as fio allocates it
+/// (4 KiB pages, each request pinning them); and into RAM in 2 MiB huge pages registered once
+/// as fixed buffers (the row that says how much of a gap is RAM's page size and pinning).
+const ENGINES: [&str; 3] = ["fgds", "io_uring", "io_uring-huge"];
+
+/// Reads and writes the disk under `dev` has completed (/sys/block/NAME/stat).
+fn disk_ios(dev: &Path) -> anyhow::Result<(u64, u64)> {
+    let name = dev.file_name().context("no disk name")?.to_string_lossy();
+    let stat = std::fs::read_to_string(format!("/sys/block/{name}/stat"))?;
+    let f = stat
+        .split_whitespace()
+        .map(|w| w.parse::<u64>().unwrap_or_default())
+        .collect::<Vec<_>>();
+    ensure!(f.len() > 4, "/sys/block/{name}/stat: {stat:?}");
+    Ok((f[0], f[4]))
+}
+
+/// The grid: each workload, block size and depth with each engine on the same drive area.
 fn grid() -> CaseResult {
     let cmdline = std::fs::read_to_string("/proc/cmdline")?;
     let runtime: u64 = cmdline
@@ -245,14 +273,22 @@ fn grid() -> CaseResult {
         .context("fgds.fio_runtime")?;
     let nvme = guest::nvme_path()?;
     let dev = nvme.to_string_lossy().into_owned();
-    // Requests up to 4 MiB reach the drive whole for both engines (as for the bench).
+    // Requests up to 4 MiB reach the drive whole for every engine (as for the bench).
     guest::max_sectors_to_hw(&nvme)?;
+    // io_uring-huge's buffers: 32 x 4 MiB and fio's alignment, in 2 MiB pages.
+    std::fs::write("/proc/sys/vm/nr_hugepages", "80")?;
+    let huge = std::fs::read_to_string("/proc/sys/vm/nr_hugepages")?;
+    ensure!(
+        huge.trim().parse::<u64>()? >= 80,
+        "the guest reserved only {} of 80 huge pages",
+        huge.trim()
+    );
     let vgpu = guest::vgpu_name()?;
     let mut failures = Vec::new();
     for rw in ["read", "randread", "write", "randwrite"] {
         for bs in [4 << 10, 64 << 10, MIB, 4 * MIB] {
             for depth in [1u64, 32] {
-                for engine in ["fgds", "io_uring"] {
+                for engine in ENGINES {
                     let mut args = vec![
                         format!("--filename={dev}"),
                         format!("--rw={rw}"),
@@ -265,16 +301,23 @@ fn grid() -> CaseResult {
                         format!("--runtime={runtime}"),
                         "--ramp_time=0".to_owned(),
                     ];
-                    if engine == "fgds" {
-                        args.push(format!("--ioengine=external:{ENGINE}"));
-                        args.push(format!(
-                            "--fgds_dmabuf=vgpu:{}",
-                            vgpu.trim_start_matches("vgpu")
-                        ));
-                    } else {
-                        args.push("--ioengine=io_uring".to_owned());
+                    match engine {
+                        "fgds" => {
+                            args.push(format!("--ioengine=external:{ENGINE}"));
+                            args.push(format!(
+                                "--fgds_dmabuf=vgpu:{}",
+                                vgpu.trim_start_matches("vgpu")
+                            ));
+                        }
+                        "io_uring" => args.push("--ioengine=io_uring".to_owned()),
+                        _ => args.extend(
+                            ["--ioengine=io_uring", "--iomem=shmhuge", "--fixedbufs=1"]
+                                .map(str::to_owned),
+                        ),
                     }
+                    let before = disk_ios(&nvme)?;
                     let run = fio(&args)?;
+                    let after = disk_ios(&nvme)?;
                     let job = run.json.as_ref().and_then(|j| j["jobs"].get(0));
                     let Some(job) = job.filter(|_| run.ok) else {
                         failures.push(format!("{engine} {rw} {bs} qd{depth}:\n{}", run.text));
@@ -282,6 +325,13 @@ fn grid() -> CaseResult {
                     };
                     let side = if rw.contains("read") { "read" } else { "write" };
                     let r = &job[side];
+                    // What the drive saw: requests it completed per I/O fio made.
+                    let requests = if side == "read" {
+                        after.0 - before.0
+                    } else {
+                        after.1 - before.1
+                    };
+                    let ios = r["total_ios"].as_u64().unwrap_or_default();
                     let row = serde_json::json!({
                         "engine": engine,
                         "rw": rw,
@@ -293,6 +343,7 @@ fn grid() -> CaseResult {
                         "usr_cpu": job["usr_cpu"],
                         "sys_cpu": job["sys_cpu"],
                         "io_bytes": r["io_bytes"],
+                        "requests_per_io": requests as f64 / ios.max(1) as f64,
                     });
                     ktap::diag(format_args!("fgds-fio: {row}"));
                 }

@@ -157,6 +157,16 @@ impl Sample {
         self.latencies.len() as u64 * opts.block_size as u64
     }
 
+    /// Mean latency in microseconds.
+    fn mean_us(&self) -> f64 {
+        let total = self
+            .latencies
+            .iter()
+            .map(Duration::as_secs_f64)
+            .sum::<f64>();
+        total * 1e6 / self.latencies.len().max(1) as f64
+    }
+
     /// Latency percentile `p` (0 to 1) in microseconds; the latencies must be sorted.
     fn percentile_us(&self, p: f64) -> f64 {
         let lat = &self.latencies;
@@ -374,6 +384,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
             "cpu_s_per_gib_max": cpus[cpus.len() - 1],
             "p50_us": mid.percentile_us(0.5),
             "p99_us": mid.percentile_us(0.99),
+            "mean_us": mid.mean_us(),
+            "secs": mid.secs,
             "turn_mib_s": turn_mib_s,
             "turn_p50_us": turn_p50_us,
             "rep_cpu_s_per_gib": rep_cpu_s_per_gib,
@@ -404,6 +416,9 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
+    for row in rows.iter().filter(|r| r["not_offered"].is_null()) {
+        println!("{}", gdsio_line(row));
+    }
     println!(
         "{:<8} {:>10} {:>17} {:>10} {:>9} {:>9} {:>8}",
         "mode", "MiB/s", "spread", "CPU s/GiB", "p50 us", "p99 us", "x ram"
@@ -432,6 +447,35 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A row as gdsio prints a result, for comparison with GDS's own tool: I/O type, transfer type
+/// (`GPUD` for fgds's direct path and the kernel's P2PDMA or dma-buf paths, `CPUONLY` for RAM,
+/// `CPU_GPU` for a copy through RAM), threads, data set, I/O size, GiB/s, mean latency.
+fn gdsio_line(row: &serde_json::Value) -> String {
+    let mode = row["mode"].as_str().unwrap_or_default();
+    let xfer = match mode {
+        "direct" | "p2pmem" | "uring-dmabuf" => "GPUD",
+        "ram" | "ram-again" | "ram-split" => "CPUONLY",
+        "bounce" | "bounce-serial" => "CPU_GPU",
+        other => other,
+    };
+    let kib = |key: &str| row[key].as_u64().unwrap_or_default() / 1024;
+    let bytes = row["total_bytes"].as_u64().unwrap_or_default();
+    let secs = row["secs"].as_f64().unwrap_or_default();
+    let io_size = row["block_size"].as_u64().unwrap_or(1).max(1);
+    format!(
+        "IoType: {} XferType: {xfer} ({mode}) Threads: {} DataSetSize: {}/{}(KiB) IOSize: {}(KiB) \
+         Throughput: {:.6} GiB/sec, Avg_Latency: {:.6} usecs ops: {} total_time {secs:.6} secs",
+        row["op"].as_str().unwrap_or_default().to_uppercase(),
+        row["threads"].as_u64().unwrap_or(1),
+        bytes / 1024,
+        bytes / 1024,
+        kib("block_size"),
+        row["mib_s"].as_f64().unwrap_or_default() / 1024.0,
+        row["mean_us"].as_f64().unwrap_or_default(),
+        bytes / io_size,
+    )
 }
 
 /// Memory a mode moves data into or out of; kept alive for the mode's repetitions.
