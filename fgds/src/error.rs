@@ -11,7 +11,7 @@ pub enum Error {
     )]
     NoSuchGpu { bdf: String },
     /// The node exists but cannot be opened.
-    #[error("cannot open {}: {source}", path.display())]
+    #[error("cannot open {}: {source}{}", path.display(), open_hint(source))]
     Open {
         path: PathBuf,
         source: std::io::Error,
@@ -117,6 +117,17 @@ impl Error {
             Error::ShortTransfer { .. } => libc::EIO,
             Error::DirectUnavailable { errno, .. } | Error::Refused { errno, .. } => *errno,
         }
+    }
+}
+
+/// Why a GPU's node cannot be opened: only root and the `fgds` group may (the package's udev
+/// rule).
+fn open_hint(source: &std::io::Error) -> &'static str {
+    if source.kind() == std::io::ErrorKind::PermissionDenied {
+        " (root and members of the fgds group may open fgds's nodes: sudo usermod -aG fgds \
+         $USER, then log in again; the fgds package's udev rule sets the group)"
+    } else {
+        ""
     }
 }
 

@@ -42,6 +42,9 @@ pub struct Config {
     pub nvme_image: PathBuf,
     /// An ext4 filesystem image: the raw drive's second namespace.
     pub ext4_image: PathBuf,
+    /// An xfs and a btrfs filesystem image: its third and fourth namespaces.
+    pub xfs_image: PathBuf,
+    pub btrfs_image: PathBuf,
     /// The second drive's image.
     pub nvme2_image: PathBuf,
     pub gpu_backing: PathBuf,
@@ -240,11 +243,16 @@ pub fn args(config: &Config) -> Vec<String> {
     // its child (research/kernel-mechanisms.md 5.2).
     push(&["-blockdev", &nvme_blockdev(config)]);
     push(&["-blockdev", &raw_blockdev("nvme0-ext4", &config.ext4_image)]);
+    push(&["-blockdev", &raw_blockdev("nvme0-xfs", &config.xfs_image)]);
+    push(&[
+        "-blockdev",
+        &raw_blockdev("nvme0-btrfs", &config.btrfs_image),
+    ]);
     push(&[
         "-blockdev",
         &raw_blockdev("nvme1-disk", &config.nvme2_image),
     ]);
-    // Namespace 1: the raw drive; namespace 2: ext4.
+    // Namespace 1: the raw drive; 2, 3 and 4: ext4, xfs and btrfs.
     push(&[
         "-device",
         &format!(
@@ -258,10 +266,12 @@ pub fn args(config: &Config) -> Vec<String> {
         "-device",
         &format!("nvme-ns,drive=nvme0-disk,nsid=1,bus={NVME_ID}"),
     ]);
-    push(&[
-        "-device",
-        &format!("nvme-ns,drive=nvme0-ext4,nsid=2,bus={NVME_ID}"),
-    ]);
+    for (nsid, fs) in [(2, "ext4"), (3, "xfs"), (4, "btrfs")] {
+        push(&[
+            "-device",
+            &format!("nvme-ns,drive=nvme0-{fs},nsid={nsid},bus={NVME_ID}"),
+        ]);
+    }
     push(&[
         "-device",
         &format!("nvme,id={NVME2_ID},serial=fgds1,drive=nvme1-disk,bus=dn2"),
@@ -558,6 +568,8 @@ mod tests {
             memory_mib: 2048,
             nvme_image: "nvme.img".into(),
             ext4_image: "ext4.img".into(),
+            xfs_image: "xfs.img".into(),
+            btrfs_image: "btrfs.img".into(),
             nvme2_image: "nvme2.img".into(),
             gpu_backing: "gpu".into(),
             gpu_bytes: 1 << 28,

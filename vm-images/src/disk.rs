@@ -35,24 +35,43 @@ pub fn write_gpu_backing(path: &Path, bytes: u64) -> anyhow::Result<()> {
 /// Bytes of the ext4 namespace and of the second drive.
 pub const SMALL_DRIVE_BYTES: u64 = 128 << 20;
 
+/// Bytes of the xfs namespace: mkfs.xfs takes no less than 300 MiB (the image is sparse).
+pub const XFS_DRIVE_BYTES: u64 = 320 << 20;
+
 /// Writes a fresh, empty ext4 filesystem image of `bytes` (with `mkfs.ext4` from e2fsprogs).
 pub fn write_ext4_image(path: &Path, bytes: u64) -> anyhow::Result<()> {
+    write_fs_image(path, "ext4", bytes)
+}
+
+/// Writes a fresh, empty filesystem image of `bytes`: `ext4` (e2fsprogs), `xfs` (xfsprogs) or
+/// `btrfs` (btrfs-progs).
+pub fn write_fs_image(path: &Path, fs: &str, bytes: u64) -> anyhow::Result<()> {
     write_gpu_backing(path, bytes)?;
-    let out = std::process::Command::new("mkfs.ext4")
-        .args([
-            "-F",
-            "-q",
-            "-L",
-            "fgds",
-            "-E",
-            "lazy_itable_init=0,lazy_journal_init=0",
-        ])
+    let (tool, args, package): (&str, &[&str], &str) = match fs {
+        "ext4" => (
+            "mkfs.ext4",
+            &[
+                "-F",
+                "-q",
+                "-L",
+                "fgds",
+                "-E",
+                "lazy_itable_init=0,lazy_journal_init=0",
+            ],
+            "e2fsprogs",
+        ),
+        "xfs" => ("mkfs.xfs", &["-f", "-q", "-L", "fgds"], "xfsprogs"),
+        "btrfs" => ("mkfs.btrfs", &["-f", "-q", "-L", "fgds"], "btrfs-progs"),
+        other => bail!("no image for file system {other:?} (ext4, xfs or btrfs)"),
+    };
+    let out = std::process::Command::new(tool)
+        .args(args)
         .arg(path)
         .output()
-        .context("cannot run mkfs.ext4: install e2fsprogs")?;
+        .with_context(|| format!("cannot run {tool}: install {package}"))?;
     if !out.status.success() {
         bail!(
-            "mkfs.ext4 {} failed: {}",
+            "{tool} {} failed: {}",
             path.display(),
             String::from_utf8_lossy(&out.stderr).trim()
         );

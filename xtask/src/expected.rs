@@ -328,6 +328,20 @@ pub const SKIPS: &[Skip] = &[
               takes first on the comparator kernel; uring_dmabuf and fgds_crate check that path",
     },
     Skip {
+        cases: &["fgds_data::xfs_file_both_directions"],
+        when: &[When::LacksAny(&["CONFIG_XFS_FS"])],
+        reason: "the kernel has no xfs",
+        why: "the build: kernels leave file systems other than ext4 out (configs/); Debian's \
+              kernels have xfs and btrfs as modules",
+    },
+    Skip {
+        cases: &["fgds_data::btrfs_file_both_directions"],
+        when: &[When::LacksAny(&["CONFIG_BTRFS_FS"])],
+        reason: "the kernel has no btrfs",
+        why: "the build: kernels leave file systems other than ext4 out (configs/); Debian's \
+              kernels have xfs and btrfs as modules",
+    },
+    Skip {
         cases: &["kmemleak"],
         when: &[When::LacksAny(&["CONFIG_DEBUG_KMEMLEAK"])],
         reason: "the kernel has no kmemleak",
@@ -455,6 +469,7 @@ pub const SKIPS: &[Skip] = &[
             "fgds_gate::*",
             "fgds_badinput::limit_memlock_enomem",
             "fgds_badinput::limit_bytes_per_user_enospc",
+            "fgds_badinput::unprivileged_group_member_reads_and_is_limited",
             "fgds_owner::dma_device_is_the_importer",
             "fgds_owner::exporter_refusing_the_dma_device_is_eremoteio",
             "fgds_cli",

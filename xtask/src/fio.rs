@@ -198,15 +198,32 @@ pub fn stage_guest() -> anyhow::Result<PathBuf> {
 /// `cargo xtask fio`: the grid in the guest, its table printed, kept in `target/fio/` and
 /// written into docs/performance.md.
 pub fn fio(opts: &Options) -> anyhow::Result<ExitCode> {
-    let run = vm::run_kernel(&vm::Options {
-        append: format!("fgds.fio=bench fgds.fio_runtime={}", opts.runtime),
-        programs: vec![(PROGRAM.to_owned(), TIMEOUT_SECS)],
-        // Both vCPUs at once and no limit from the emulated controller, as for the bench
-        // (xtask/src/bench.rs): neither engine's requests are split where the other's are not.
-        tcg_threads: vm::TcgThreadsArg::Multi,
-        nvme_mdts: Some(0),
-        ..vm::Options::for_kernel(&opts.kernel)
-    })?;
+    let boot = || {
+        vm::run_kernel(&vm::Options {
+            append: format!("fgds.fio=bench fgds.fio_runtime={}", opts.runtime),
+            programs: vec![(PROGRAM.to_owned(), TIMEOUT_SECS)],
+            // Both vCPUs at once and no limit from the emulated controller, as for the bench
+            // (xtask/src/bench.rs): no engine's requests are split where another's are not.
+            tcg_threads: vm::TcgThreadsArg::Multi,
+            nvme_mdts: Some(0),
+            ..vm::Options::for_kernel(&opts.kernel)
+        })
+    };
+    let mut run = boot()?;
+    // Multi-threaded TCG's rare early-boot oops (docs/architecture.md, Boot flakes) costs one
+    // more boot, not the measurement.
+    let booted = |run: &vm::KernelRun| {
+        run.outcomes.iter().any(|o| {
+            o.name.ends_with("::setup") && matches!(o.verdict, crate::report::Verdict::Pass)
+        })
+    };
+    if !booted(&run) {
+        eprintln!(
+            "fio: the guest did not come up (console: {}); booting once more",
+            run.run_dir.join("console.log").display()
+        );
+        run = boot()?;
+    }
     let ktap = std::fs::read(run.run_dir.join("ktap.log"))
         .map(|b| String::from_utf8_lossy(&b).into_owned())
         .context("the run left no KTAP log")?;

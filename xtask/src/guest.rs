@@ -28,6 +28,13 @@ const OPTIONAL_KERNEL_MODULES: &[(&str, &str)] = &[
     ("CONFIG_DM_CRYPT", "dm_crypt"),
 ];
 
+/// File systems besides ext4, loaded (where the kernel has them) only for runs with a program
+/// that asks for them (`+fs` on its suite line): btrfs's modules alone cost a TCG boot about
+/// three seconds (raid6_pq and xor time their algorithms). The init mounts those the kernel
+/// has.
+const FS_KERNEL_MODULES: &[(&str, &str)] =
+    &[("CONFIG_XFS_FS", "xfs"), ("CONFIG_BTRFS_FS", "btrfs")];
+
 /// One test program of a run, in the order it runs.
 pub struct SuiteEntry {
     pub name: String,
@@ -41,6 +48,8 @@ pub struct SuiteEntry {
     /// The program runs fio (`+fio` on its suite line): the guest gets fio and the `fgds`
     /// engine (xtask/src/fio.rs).
     pub fio: bool,
+    /// The program uses xfs and btrfs (`+fs`): the guest loads their modules.
+    pub fs: bool,
 }
 
 impl SuiteEntry {
@@ -147,12 +156,13 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
             .unwrap_or("120")
             .parse()
             .with_context(|| format!("bad timeout in {}: {line:?}", path.display()))?;
-        let mut fio = false;
+        let (mut fio, mut fs) = (false, false);
         for word in words {
             match word {
                 "+fio" => fio = true,
+                "+fs" => fs = true,
                 _ => bail!(
-                    "{}: {line:?}: unknown {word:?} (+fio is known)",
+                    "{}: {line:?}: unknown {word:?} (+fio and +fs are known)",
                     path.display()
                 ),
             }
@@ -165,6 +175,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 c_source: Some(crate::project_root().join("tests/c").join(name)),
                 python: false,
                 fio,
+                fs,
             }
         } else if let Some(stem) = name.strip_suffix(".py") {
             SuiteEntry {
@@ -174,6 +185,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 c_source: None,
                 python: true,
                 fio,
+                fs,
             }
         } else {
             SuiteEntry {
@@ -183,6 +195,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 c_source: None,
                 python: false,
                 fio,
+                fs,
             }
         };
         suite.push(entry);
@@ -203,6 +216,7 @@ pub fn exec_entry(path: &Path, timeout_secs: u64) -> anyhow::Result<SuiteEntry> 
         c_source: None,
         python: false,
         fio: false,
+        fs: false,
         name: format!("exec:{name}"),
         path: path.to_path_buf(),
         timeout_secs,
@@ -294,7 +308,12 @@ pub fn make_initramfs(
 
     let mut names = KERNEL_MODULES.to_vec();
     names.extend(setup.kernel_modules.iter().map(|(name, _)| *name));
-    for (config, name) in OPTIONAL_KERNEL_MODULES {
+    let fs = if suite.iter().any(|e| e.fs) {
+        FS_KERNEL_MODULES
+    } else {
+        &[]
+    };
+    for (config, name) in OPTIONAL_KERNEL_MODULES.iter().chain(fs) {
         if kernel::has_config(kernel, config)? {
             names.push(name);
         }

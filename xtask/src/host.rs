@@ -15,6 +15,8 @@ pub const VM_PACKAGES: &[&str] = &[
     "xz-utils",
     "zstd",
     "e2fsprogs",
+    "xfsprogs",
+    "btrfs-progs",
 ];
 
 /// Installs whichever of `packages` are missing, with apt-get (as root).

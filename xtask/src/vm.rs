@@ -279,6 +279,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
                 python: false,
                 // A program of the suite keeps what its suite line asks for.
                 fio: suite.iter().any(|e| e.name == *name && e.fio),
+                fs: suite.iter().any(|e| e.name == *name && e.fs),
             })
             .collect();
     }
@@ -404,16 +405,20 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
     let memory = run_memory::create(
         run_dir,
         opts.gpu_bytes,
-        pattern::NVME_IMAGE_BYTES + 2 * disk::SMALL_DRIVE_BYTES,
+        pattern::NVME_IMAGE_BYTES + 3 * disk::SMALL_DRIVE_BYTES + disk::XFS_DRIVE_BYTES,
     )?;
     let gpu_backing = memory.gpu.clone();
     let nvme_image = memory.drive("nvme.img")?;
     let ext4_image = memory.drive("ext4.img")?;
+    let xfs_image = memory.drive("xfs.img")?;
+    let btrfs_image = memory.drive("btrfs.img")?;
     let nvme2_image = memory.drive("nvme2.img")?;
     phases.run("image", || {
         disk::write_nvme_image(&nvme_image)?;
         disk::write_gpu_backing(&gpu_backing, opts.gpu_bytes)?;
         disk::write_ext4_image(&ext4_image, disk::SMALL_DRIVE_BYTES)?;
+        disk::write_fs_image(&xfs_image, "xfs", disk::XFS_DRIVE_BYTES)?;
+        disk::write_fs_image(&btrfs_image, "btrfs", disk::SMALL_DRIVE_BYTES)?;
         disk::write_gpu_backing(&nvme2_image, disk::SMALL_DRIVE_BYTES)?;
         Ok(())
     })?;
@@ -444,6 +449,8 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         nvme_mdts: opts.nvme_mdts,
         iommu: opts.iommu,
         ext4_image,
+        xfs_image,
+        btrfs_image,
         nvme2_image,
         run_dir: run_dir.clone(),
     };

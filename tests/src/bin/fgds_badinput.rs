@@ -62,6 +62,14 @@ fn main() {
                 run: limit_per_user,
             },
             Case {
+                name: "unprivileged_group_member_reads_and_is_limited",
+                run: unprivileged_group_member,
+            },
+            Case {
+                name: "unprivileged_non_member_refused_eacces",
+                run: unprivileged_non_member,
+            },
+            Case {
                 name: "unsafe_setup_refused",
                 run: unsafe_setup_refused,
             },
@@ -522,6 +530,135 @@ fn limit_per_user() -> CaseResult {
         "the second user's child ended with {status}"
     );
     ktap::pass()
+}
+
+/// The group the package's udev rule gives fgds's nodes (`fgds`), as a number in the rig.
+const FGDS_GID: libc::gid_t = 2000;
+
+/// The node as the package's udev rule leaves it (`GROUP="fgds", MODE="0660"`) while `f` runs,
+/// root's `0600` again after.
+fn with_node_as_packaged(f: impl FnOnce() -> CaseResult) -> CaseResult {
+    use std::os::unix::fs::PermissionsExt;
+    let path = common::node_path()?;
+    std::os::unix::fs::chown(&path, Some(0), Some(FGDS_GID))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o660))?;
+    let res = f();
+    std::os::unix::fs::chown(&path, Some(0), Some(0))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    res
+}
+
+/// Becomes `uid` (and gid `uid`) with the supplementary `groups` and RLIMIT_MEMLOCK `memlock`,
+/// losing every capability. For forked children only.
+fn drop_to(uid: libc::uid_t, groups: &[libc::gid_t], memlock: u64) -> anyhow::Result<()> {
+    let rl = libc::rlimit {
+        rlim_cur: memlock,
+        rlim_max: memlock,
+    };
+    // SAFETY: plain system calls on this process's own limits and credentials; `groups`
+    // outlives the call.
+    let failed = unsafe {
+        libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl) != 0
+            || libc::setgroups(groups.len(), groups.as_ptr()) != 0
+            || libc::setgid(uid) != 0
+            || libc::setuid(uid) != 0
+    };
+    if failed {
+        bail!(
+            "cannot become uid {uid}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(())
+}
+
+/// A user who is not root but is in the fgds group (as the README's install steps make one)
+/// opens the GPU's node itself, registers GPU memory (a runtime's dma-buf it holds), and reads
+/// a file of its own into it through fgds's command; past its RLIMIT_MEMLOCK a registration is
+/// ENOMEM, and the crate's error names the limit and its value.
+fn unprivileged_group_member() -> CaseResult {
+    const LEN: u64 = 4 * MIB;
+    let Some(dir) = std::env::var_os("FGDS_EXT4") else {
+        return ktap::skip("the rig provides no ext4 filesystem (FGDS_EXT4 unset)");
+    };
+    let file = std::path::Path::new(&dir).join("unprivileged.dat");
+    let mut data = vec![0u8; LEN as usize];
+    fgds_tests::pattern::fill(0x5e7, 0, &mut data);
+    std::fs::write(&file, &data)?;
+    let res = with_node_as_packaged(|| {
+        let mut child = fault::Child::spawn(|parent| {
+            // The GPU runtime's export, made before this process gave up root.
+            let (dmabuf, _) = common::alloc(&common::vgpu()?, 2 * LEN)?;
+            drop_to(1000, &[FGDS_GID], 6 * MIB)?;
+            let bdf = fgds::Gpu::list()?
+                .first()
+                .context("fgds serves no GPU")?
+                .bdf
+                .clone();
+            let gpu = fgds::Gpu::open(&bdf).context("a member of the fgds group opens the node")?;
+            let buffer = gpu.register(dmabuf.as_fd(), 0, LEN)?;
+            let f = fgds::open_direct(&file, false)?;
+            let n = buffer.read_from(&f, 0, 0..LEN as usize)?;
+            ensure!(n == LEN as usize, "read {n} of {LEN} bytes");
+            // SAFETY: the mapping is the registration's LEN bytes, alive with `buffer`, and
+            // only this thread touches it now that the read returned.
+            let got = unsafe { std::slice::from_raw_parts(buffer.as_ptr(), LEN as usize) };
+            if let Some(at) = fgds_tests::pattern::first_mismatch(0x5e7, 0, got) {
+                bail!("the user's file reached GPU memory wrong from byte {at}");
+            }
+            let err = match gpu.register(dmabuf.as_fd(), LEN, LEN) {
+                Ok(_) => bail!("4 more MiB registered past a 6 MiB RLIMIT_MEMLOCK"),
+                Err(err) => err,
+            };
+            let text = err.to_string();
+            ensure!(
+                err.errno() == libc::ENOMEM && text.contains("RLIMIT_MEMLOCK, 6144 KiB"),
+                "past RLIMIT_MEMLOCK: {text} (errno {})",
+                err.errno()
+            );
+            parent.ready(&text);
+            Ok(())
+        })?;
+        let said = child.wait_ready(std::time::Duration::from_secs(30));
+        let status = child.wait()?;
+        ensure!(status == 0, "the user's child ended with {status}");
+        ktap::diag(format_args!("past the limit: {}", said?));
+        ktap::pass()
+    });
+    let _ = std::fs::remove_file(&file);
+    res
+}
+
+/// A user outside the fgds group cannot open the node (EACCES), and the crate's error says
+/// which group to join.
+fn unprivileged_non_member() -> CaseResult {
+    with_node_as_packaged(|| {
+        let mut child = fault::Child::spawn(|parent| {
+            drop_to(1001, &[], 64 * MIB)?;
+            let bdf = fgds::Gpu::list()?
+                .first()
+                .context("fgds serves no GPU")?
+                .bdf
+                .clone();
+            let err = match fgds::Gpu::open(&bdf) {
+                Ok(_) => bail!("a user outside the fgds group opened the node"),
+                Err(err) => err,
+            };
+            let text = err.to_string();
+            ensure!(
+                err.errno() == libc::EACCES && text.contains("fgds group"),
+                "outside the group: {text} (errno {})",
+                err.errno()
+            );
+            parent.ready(&text);
+            Ok(())
+        })?;
+        let said = child.wait_ready(std::time::Duration::from_secs(30));
+        let status = child.wait()?;
+        ensure!(status == 0, "the user's child ended with {status}");
+        ktap::diag(format_args!("refused: {}", said?));
+        ktap::pass()
+    })
 }
 
 /// Under a translating IOMMU fgds must not hand out GENERIC pages: it either uses P2PDMA pages

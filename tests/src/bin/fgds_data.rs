@@ -59,6 +59,14 @@ fn main() {
             name: "ext4_file_both_directions",
             run: ext4_file,
         },
+        Case {
+            name: "xfs_file_both_directions",
+            run: xfs_file,
+        },
+        Case {
+            name: "btrfs_file_both_directions",
+            run: btrfs_file,
+        },
     ])
 }
 
@@ -380,18 +388,97 @@ fn two_processes() -> CaseResult {
     ktap::pass()
 }
 
-/// O_DIRECT on a file in an ext4 filesystem (iomap direct I/O), both directions. The rig
-/// mounts one and names its mount point in FGDS_EXT4.
+/// O_DIRECT on a file in an ext4 filesystem (iomap direct I/O), both directions, through the
+/// mapping and through fgds's commands. The rig mounts one and names its mount point in
+/// FGDS_EXT4.
 fn ext4_file() -> CaseResult {
-    let Some(dir) = std::env::var_os("FGDS_EXT4") else {
-        return ktap::skip("the rig provides no ext4 filesystem (FGDS_EXT4 unset)");
-    };
-    ext4_file_in(std::path::Path::new(&dir))
+    file_on("FGDS_EXT4", "ext4", 0x4558_5434, true)
 }
 
-fn ext4_file_in(dir: &std::path::Path) -> CaseResult {
+/// The same on xfs, the other file system fgds's commands take.
+fn xfs_file() -> CaseResult {
+    file_on("FGDS_XFS", "xfs", 0x5846_5321, true)
+}
+
+/// The same on btrfs through the mapping (btrfs checksums data with the CPU, so the kernel
+/// reads the GPU's pages itself); fgds's commands refuse btrfs (EREMOTEIO) and move nothing.
+fn btrfs_file() -> CaseResult {
+    file_on("FGDS_BTRFS", "btrfs", 0x4254_5246, false)
+}
+
+/// A file system's case: the rig mounts it and names its mount point in `var` where the
+/// kernel has it.
+fn file_on(var: &str, fs: &str, seed: u64, commands: bool) -> CaseResult {
+    let Some(dir) = std::env::var_os(var) else {
+        return ktap::skip(format_args!(
+            "the kernel has no {fs} ({var} unset: the rig mounts it where /proc/filesystems \
+             lists it)"
+        ));
+    };
+    file_in(std::path::Path::new(&dir), seed)?;
+    commands_on(std::path::Path::new(&dir), fs, seed, commands)
+}
+
+/// fgds's own reads and writes (FGDS_IOCTL_READ/WRITE) of a file in `dir`: the file's bytes
+/// into GPU memory and back to another part of the file where `allowed`, else EREMOTEIO with
+/// nothing moved.
+fn commands_on(dir: &std::path::Path, fs: &str, seed: u64, allowed: bool) -> CaseResult {
+    let len = 4 * MIB;
+    let path = dir.join("fgds-commands.bin");
+    let mut ram = AlignedBuf::new(len as usize)?;
+    pattern::fill(seed ^ 1, 0, ram.as_mut_slice());
+    std::fs::write(&path, ram.as_slice())?;
+    let file = fgds_tests::guest::open_direct(&path, true)?;
+    let node = common::open_node()?;
+    let (dmabuf, _) = common::alloc(&common::vgpu()?, len)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, len)?;
+    let io = |file_offset| fgds::uapi::Io {
+        idx,
+        offset: 0,
+        len,
+        file_offset,
+        fd: file.as_raw_fd(),
+        flags: 0,
+    };
+    let read = common::ioctl_io(&node, false, &io(0));
+    if !allowed {
+        ensure!(
+            read == Err(libc::EREMOTEIO),
+            "FGDS_IOCTL_READ of a file on {fs}: {read:?}, not EREMOTEIO"
+        );
+        let got = common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?;
+        ensure!(
+            pattern::first_mismatch(seed ^ 1, 0, &got).is_some(),
+            "the refused read of {fs} moved the file's bytes into GPU memory"
+        );
+        let _ = std::fs::remove_file(&path);
+        return ktap::pass();
+    }
+    ensure!(
+        read == Ok(len as usize),
+        "FGDS_IOCTL_READ of a file on {fs}: {read:?}"
+    );
+    let got = common::gpu_read(dmabuf.as_fd(), len as usize, 0, len as usize)?;
+    ensure!(
+        pattern::first_mismatch(seed ^ 1, 0, &got).is_none(),
+        "GPU memory differs from the {fs} file after FGDS_IOCTL_READ"
+    );
+    let wrote = common::ioctl_io(&node, true, &io(len));
+    ensure!(
+        wrote == Ok(len as usize),
+        "FGDS_IOCTL_WRITE to a file on {fs}: {wrote:?}"
+    );
+    file.read_exact_at(ram.as_mut_slice(), len)?;
+    ensure!(
+        pattern::first_mismatch(seed ^ 1, 0, ram.as_slice()).is_none(),
+        "the {fs} file differs where FGDS_IOCTL_WRITE put the GPU's bytes"
+    );
+    let _ = std::fs::remove_file(&path);
+    ktap::pass()
+}
+
+fn file_in(dir: &std::path::Path, seed: u64) -> CaseResult {
     let len = 8 * MIB;
-    let seed = 0x4558_5434;
     let path = dir.join("fgds-data.bin");
     let mut ram = AlignedBuf::new(len as usize)?;
     pattern::fill(seed, 0, ram.as_mut_slice());

@@ -312,9 +312,23 @@ struct Drives {
     ext4: Option<String>,
     /// Serial `fgds1`, namespace 1: a second drive, on its own hot-pluggable slot.
     nvme2: Option<String>,
+    /// Serial `fgds0`, namespaces 3 and 4: an xfs and a btrfs filesystem, mounted at
+    /// `/mnt/xfs` and `/mnt/btrfs` where the kernel has them ([`OTHER_FS`]).
+    xfs: Option<String>,
+    btrfs: Option<String>,
+    /// The other file systems mounted: (environment variable, mount point).
+    mounted: Vec<(&'static str, &'static str)>,
 }
 
 const EXT4_MOUNT: &str = "/mnt/ext4";
+
+/// The file systems besides ext4: type, namespace id, mount point, the variable that names it
+/// to the tests. A kernel without one (no `/proc/filesystems` line) leaves its variable unset,
+/// and the tests that need it skip saying so.
+const OTHER_FS: &[(&str, &str, &str, &str)] = &[
+    ("xfs", "3", "/mnt/xfs", "FGDS_XFS"),
+    ("btrfs", "4", "/mnt/btrfs", "FGDS_BTRFS"),
+];
 
 /// Waits (bounded) for the rig's NVMe namespaces, which the driver probes asynchronously.
 fn find_drives() -> Drives {
@@ -340,15 +354,23 @@ fn find_drives() -> Drives {
             match (serial.as_str(), nsid.as_str()) {
                 ("fgds0", "1") => drives.nvme = Some(dev),
                 ("fgds0", "2") => drives.ext4 = Some(dev),
+                ("fgds0", "3") => drives.xfs = Some(dev),
+                ("fgds0", "4") => drives.btrfs = Some(dev),
                 ("fgds1", "1") => drives.nvme2 = Some(dev),
                 _ => {}
             }
         }
-        let all = drives.nvme.is_some() && drives.ext4.is_some() && drives.nvme2.is_some();
         let ready = |d: &Option<String>| d.as_deref().is_some_and(|p| Path::new(p).exists());
-        if (all && ready(&drives.nvme) && ready(&drives.ext4) && ready(&drives.nvme2))
-            || Instant::now() > deadline
-        {
+        let all = [
+            &drives.nvme,
+            &drives.ext4,
+            &drives.nvme2,
+            &drives.xfs,
+            &drives.btrfs,
+        ]
+        .into_iter()
+        .all(ready);
+        if all || Instant::now() > deadline {
             return drives;
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -357,7 +379,7 @@ fn find_drives() -> Drives {
 
 /// Finds the drives and mounts the ext4 one; the errors name what is missing.
 fn prepare_drives() -> (Drives, Vec<String>) {
-    let drives = find_drives();
+    let mut drives = find_drives();
     let mut errors = Vec::new();
     if drives.nvme.is_none() {
         errors.push(
@@ -391,6 +413,41 @@ fn prepare_drives() -> (Drives, Vec<String>) {
             ) {
                 errors.push(format!("cannot mount {dev} (ext4) on {EXT4_MOUNT}: {err}"));
             }
+        }
+    }
+    let known = fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    for (fs_type, nsid, mount, var) in OTHER_FS {
+        let dev = if *fs_type == "xfs" {
+            &drives.xfs
+        } else {
+            &drives.btrfs
+        };
+        let Some(dev) = dev.clone() else {
+            errors.push(format!(
+                "no NVMe namespace {nsid} of serial fgds0 (the {fs_type} drive)"
+            ));
+            continue;
+        };
+        if !known
+            .lines()
+            .any(|l| l.split_whitespace().last() == Some(*fs_type))
+        {
+            kmsg(&format!("no {fs_type} in this kernel: {var} stays unset"));
+            continue;
+        }
+        if let Err(err) = set_nomerges(&dev) {
+            errors.push(err);
+        }
+        let _ = fs::create_dir_all(mount);
+        match rustix::mount::mount(
+            dev.as_str(),
+            *mount,
+            *fs_type,
+            rustix::mount::MountFlags::empty(),
+            None,
+        ) {
+            Ok(()) => drives.mounted.push((var, mount)),
+            Err(err) => errors.push(format!("cannot mount {dev} ({fs_type}) on {mount}: {err}")),
         }
     }
     (drives, errors)
@@ -431,6 +488,9 @@ fn run_test(
     }
     if drives.ext4.is_some() {
         command.env("FGDS_EXT4", EXT4_MOUNT);
+    }
+    for (var, mount) in &drives.mounted {
+        command.env(var, mount);
     }
     for (var, value) in env.iter().cloned().chain(cmdline_env()) {
         command.env(var, value);
