@@ -262,6 +262,18 @@ fn load_modules(steps: &[Step]) -> anyhow::Result<()> {
             Err(_) if is_loaded(&module.path) => {
                 loaded.push_str(&format!("{} {}\n", module.path, params))
             }
+            // A CPU-specific implementation (sha256-ssse3, ...) that this vCPU cannot run:
+            // the generic one serves, and a module that truly needed it fails to load itself.
+            Err(err)
+                if module.path.starts_with("/modules/kernel/")
+                    && err.downcast_ref::<rustix::io::Errno>()
+                        == Some(&rustix::io::Errno::NODEV) =>
+            {
+                kmsg(&format!(
+                    "{} refuses this vCPU (ENODEV): skipped",
+                    module.path
+                ));
+            }
             Err(err) => errors.push(format!("cannot load {} {params}: {err:#}", module.path)),
         }
     }
