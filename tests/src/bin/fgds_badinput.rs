@@ -572,6 +572,32 @@ fn drop_to(uid: libc::uid_t, groups: &[libc::gid_t], memlock: u64) -> anyhow::Re
     Ok(())
 }
 
+/// Runs `body` in a forked child (which becomes the user it needs with [`drop_to`]) while the
+/// node is as the package leaves it; the line the child ends with becomes a diagnostic.
+fn in_child_as_user(body: impl FnOnce() -> anyhow::Result<String>) -> CaseResult {
+    with_node_as_packaged(|| {
+        let mut child = fault::Child::spawn(|parent| {
+            let line = body()?;
+            parent.ready(&line);
+            Ok(())
+        })?;
+        let said = child.wait_ready(std::time::Duration::from_secs(30));
+        let status = child.wait()?;
+        ensure!(status == 0, "the user's child ended with {status}");
+        ktap::diag(said?);
+        ktap::pass()
+    })
+}
+
+/// The PCI address of the GPU fgds serves.
+fn first_gpu() -> anyhow::Result<String> {
+    Ok(fgds::Gpu::list()?
+        .first()
+        .context("fgds serves no GPU")?
+        .bdf
+        .clone())
+}
+
 /// A user who is not root but is in the fgds group (as the README's install steps make one)
 /// opens the GPU's node itself, registers GPU memory (a runtime's dma-buf it holds), and reads
 /// a file of its own into it through fgds's command; past its RLIMIT_MEMLOCK a registration is
@@ -585,45 +611,33 @@ fn unprivileged_group_member() -> CaseResult {
     let mut data = vec![0u8; LEN as usize];
     fgds_tests::pattern::fill(0x5e7, 0, &mut data);
     std::fs::write(&file, &data)?;
-    let res = with_node_as_packaged(|| {
-        let mut child = fault::Child::spawn(|parent| {
-            // The GPU runtime's export, made before this process gave up root.
-            let (dmabuf, _) = common::alloc(&common::vgpu()?, 2 * LEN)?;
-            drop_to(1000, &[FGDS_GID], 6 * MIB)?;
-            let bdf = fgds::Gpu::list()?
-                .first()
-                .context("fgds serves no GPU")?
-                .bdf
-                .clone();
-            let gpu = fgds::Gpu::open(&bdf).context("a member of the fgds group opens the node")?;
-            let buffer = gpu.register(dmabuf.as_fd(), 0, LEN)?;
-            let f = fgds::open_direct(&file, false)?;
-            let n = buffer.read_from(&f, 0, 0..LEN as usize)?;
-            ensure!(n == LEN as usize, "read {n} of {LEN} bytes");
-            // SAFETY: the mapping is the registration's LEN bytes, alive with `buffer`, and
-            // only this thread touches it now that the read returned.
-            let got = unsafe { std::slice::from_raw_parts(buffer.as_ptr(), LEN as usize) };
-            if let Some(at) = fgds_tests::pattern::first_mismatch(0x5e7, 0, got) {
-                bail!("the user's file reached GPU memory wrong from byte {at}");
-            }
-            let err = match gpu.register(dmabuf.as_fd(), LEN, LEN) {
-                Ok(_) => bail!("4 more MiB registered past a 6 MiB RLIMIT_MEMLOCK"),
-                Err(err) => err,
-            };
-            let text = err.to_string();
-            ensure!(
-                err.errno() == libc::ENOMEM && text.contains("RLIMIT_MEMLOCK, 6144 KiB"),
-                "past RLIMIT_MEMLOCK: {text} (errno {})",
-                err.errno()
-            );
-            parent.ready(&text);
-            Ok(())
-        })?;
-        let said = child.wait_ready(std::time::Duration::from_secs(30));
-        let status = child.wait()?;
-        ensure!(status == 0, "the user's child ended with {status}");
-        ktap::diag(format_args!("past the limit: {}", said?));
-        ktap::pass()
+    let res = in_child_as_user(|| {
+        // The GPU runtime's export, made before this process gave up root.
+        let (dmabuf, _) = common::alloc(&common::vgpu()?, 2 * LEN)?;
+        drop_to(1000, &[FGDS_GID], 6 * MIB)?;
+        let gpu =
+            fgds::Gpu::open(&first_gpu()?).context("a member of the fgds group opens the node")?;
+        let buffer = gpu.register(dmabuf.as_fd(), 0, LEN)?;
+        let f = fgds::open_direct(&file, false)?;
+        let n = buffer.read_from(&f, 0, 0..LEN as usize)?;
+        ensure!(n == LEN as usize, "read {n} of {LEN} bytes");
+        // SAFETY: the mapping is the registration's LEN bytes, alive with `buffer`, and only
+        // this thread touches it now that the read returned.
+        let got = unsafe { std::slice::from_raw_parts(buffer.as_ptr(), LEN as usize) };
+        if let Some(at) = fgds_tests::pattern::first_mismatch(0x5e7, 0, got) {
+            bail!("the user's file reached GPU memory wrong from byte {at}");
+        }
+        let err = match gpu.register(dmabuf.as_fd(), LEN, LEN) {
+            Ok(_) => bail!("4 more MiB registered past a 6 MiB RLIMIT_MEMLOCK"),
+            Err(err) => err,
+        };
+        let text = err.to_string();
+        ensure!(
+            err.errno() == libc::ENOMEM && text.contains("RLIMIT_MEMLOCK, 6144 KiB"),
+            "past RLIMIT_MEMLOCK: {text} (errno {})",
+            err.errno()
+        );
+        Ok(format!("past the limit: {text}"))
     });
     let _ = std::fs::remove_file(&file);
     res
@@ -632,32 +646,19 @@ fn unprivileged_group_member() -> CaseResult {
 /// A user outside the fgds group cannot open the node (EACCES), and the crate's error says
 /// which group to join.
 fn unprivileged_non_member() -> CaseResult {
-    with_node_as_packaged(|| {
-        let mut child = fault::Child::spawn(|parent| {
-            drop_to(1001, &[], 64 * MIB)?;
-            let bdf = fgds::Gpu::list()?
-                .first()
-                .context("fgds serves no GPU")?
-                .bdf
-                .clone();
-            let err = match fgds::Gpu::open(&bdf) {
-                Ok(_) => bail!("a user outside the fgds group opened the node"),
-                Err(err) => err,
-            };
-            let text = err.to_string();
-            ensure!(
-                err.errno() == libc::EACCES && text.contains("fgds group"),
-                "outside the group: {text} (errno {})",
-                err.errno()
-            );
-            parent.ready(&text);
-            Ok(())
-        })?;
-        let said = child.wait_ready(std::time::Duration::from_secs(30));
-        let status = child.wait()?;
-        ensure!(status == 0, "the user's child ended with {status}");
-        ktap::diag(format_args!("refused: {}", said?));
-        ktap::pass()
+    in_child_as_user(|| {
+        drop_to(1001, &[], 64 * MIB)?;
+        let err = match fgds::Gpu::open(&first_gpu()?) {
+            Ok(_) => bail!("a user outside the fgds group opened the node"),
+            Err(err) => err,
+        };
+        let text = err.to_string();
+        ensure!(
+            err.errno() == libc::EACCES && text.contains("fgds group"),
+            "outside the group: {text} (errno {})",
+            err.errno()
+        );
+        Ok(format!("refused: {text}"))
     })
 }
 
