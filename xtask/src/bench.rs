@@ -59,6 +59,10 @@ pub struct Options {
     /// explanation of each high ratio, the checks), failing as that run would now.
     #[arg(long, value_name = "JSON")]
     pub from_json: Option<std::path::PathBuf>,
+    /// What the file system costs instead of the grid: `ram` and `direct` on a file of ext4,
+    /// xfs and btrfs and on the raw namespace (`target/bench/<kernel>-files.md`).
+    #[arg(long, conflicts_with_all = ["quick", "profile"])]
+    pub files: bool,
 }
 
 pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
@@ -80,6 +84,9 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         } else {
             ExitCode::SUCCESS
         });
+    }
+    if opts.files {
+        return files(opts);
     }
     // `auto`: the headline runs with vgpu's memory as plain VRAM (fgds's own pages, as with a
     // real GPU); upstream's p2pmem needs P2PDMA pages the exporter publishes, so it gets a
@@ -261,6 +268,8 @@ fn boot(opts: &Options, vgpu_mode: &str, set: &str) -> anyhow::Result<vm::Kernel
                 "quick"
             } else if opts.profile {
                 "profile"
+            } else if opts.files {
+                "files"
             } else {
                 "full"
             },
@@ -278,7 +287,64 @@ fn boot(opts: &Options, vgpu_mode: &str, set: &str) -> anyhow::Result<vm::Kernel
         // mode's request of 4 MiB or less is split where another's is not (docs/performance.md).
         nvme_mdts: Some(0),
         iommu: opts.iommu,
+        filesystems: opts.files,
         ..vm::Options::for_kernel(&opts.kernel)
+    })
+}
+
+/// `cargo xtask bench --files`: one boot, the files set's rows, a table per operation.
+fn files(opts: &Options) -> anyhow::Result<ExitCode> {
+    let run = boot(opts, &opts.vgpu_mode.replace("auto", "plain"), "files")?;
+    let (rows, _, _) = collect(&run)?;
+    let passed = crate::report::print(run.outcomes.clone());
+    if rows.is_empty() {
+        bail!("the guest measured nothing (see {})", run.run_dir.display());
+    }
+    let mut table = format!(
+        "`cargo xtask bench --files --kernel {}` (`{}`): a 64 MiB file of each file system (the raw \
+         namespace beside them), `ram` and `direct` in the same turns, 3 repetitions.\n\n\
+         | fs | point | ram MiB/s | direct MiB/s | direct/ram |\n|---|---|---:|---:|---:|\n",
+        run.spec, run.release
+    );
+    let mut points: BTreeMap<(String, String, u64, u64), BTreeMap<String, &Value>> =
+        BTreeMap::new();
+    for row in &rows {
+        let key = (
+            row["fs"].as_str().unwrap_or_default().to_owned(),
+            row["op"].as_str().unwrap_or_default().to_owned(),
+            row["block_size"].as_u64().unwrap_or_default(),
+            row["queue_depth"].as_u64().unwrap_or_default(),
+        );
+        let mode = row["mode"].as_str().unwrap_or_default().to_owned();
+        points.entry(key).or_default().insert(mode, row);
+    }
+    for ((fs, op, bs, qd), modes) in &points {
+        let rate = |m: &str| modes.get(m).and_then(|r| r["mib_s"].as_f64());
+        let direct = match (modes.get("direct"), rate("direct")) {
+            (_, Some(d)) => format!("{d:.0}"),
+            (Some(r), None) => format!("refused: {}", r["refused"].as_str().unwrap_or("?")),
+            _ => "-".to_owned(),
+        };
+        table.push_str(&format!(
+            "| {fs} | {op} {} qd{qd} | {} | {direct} | {} |\n",
+            human(*bs),
+            rate("ram").map_or("-".to_owned(), |r| format!("{r:.0}")),
+            fmt_ratio(modes.get("direct").and_then(|r| r["ratio_to_ram"].as_f64())),
+        ));
+    }
+    println!("{table}");
+    let out_dir = crate::project_root().join("target/bench");
+    std::fs::create_dir_all(&out_dir)?;
+    let label = run.spec.replace(':', "-");
+    std::fs::write(out_dir.join(format!("{label}-files.md")), &table)?;
+    std::fs::write(
+        out_dir.join(format!("{label}-files.json")),
+        serde_json::to_string_pretty(&rows)?,
+    )?;
+    Ok(if passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     })
 }
 

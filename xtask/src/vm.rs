@@ -64,6 +64,9 @@ pub struct Options {
     /// request of its grid up to the guest driver's own limit is split.
     #[arg(skip)]
     pub nvme_mdts: Option<u8>,
+    /// The guest loads xfs and btrfs for `programs` (as a suite line's `+fs` does).
+    #[arg(skip)]
+    pub filesystems: bool,
     /// A translating vIOMMU (intel-iommu); devices on separate root ports, P2P through the
     /// host bridge.
     #[arg(long)]
@@ -101,6 +104,7 @@ impl Options {
             gpu_bytes: pattern::GPU_MEMORY_BYTES,
             programs: Vec::new(),
             nvme_mdts: None,
+            filesystems: false,
         }
     }
 }
@@ -279,7 +283,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
                 python: false,
                 // A program of the suite keeps what its suite line asks for.
                 fio: suite.iter().any(|e| e.name == *name && e.fio),
-                fs: suite.iter().any(|e| e.name == *name && e.fs),
+                fs: opts.filesystems || suite.iter().any(|e| e.name == *name && e.fs),
             })
             .collect();
     }

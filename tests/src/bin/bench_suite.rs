@@ -32,7 +32,79 @@ fn main() {
             name: "profile",
             run: profile,
         },
+        Case {
+            name: "files",
+            run: files,
+        },
     ])
+}
+
+/// What the file system costs: `ram` and `direct` reading and writing a file on each file
+/// system the rig mounts, and the raw namespace beside them, at 4 KiB depth 1 and 1 MiB depth
+/// 8 (`fgds.bench=files`, `cargo xtask bench --files`). Each row carries `fs`; a file system
+/// fgds's commands refuse gives a row with `refused` (the bench's error) instead.
+fn files() -> CaseResult {
+    if kind() != "files" {
+        return ktap::skip("only with fgds.bench=files");
+    }
+    const LEN: u64 = 64 << 20;
+    let nvme = fgds_tests::guest::nvme_path()?
+        .to_string_lossy()
+        .into_owned();
+    fgds_tests::guest::max_sectors_to_hw(std::path::Path::new(&nvme))?;
+    let mut targets = vec![("raw".to_owned(), nvme, 64u64 << 20)];
+    for (fs, var) in [
+        ("ext4", "FGDS_EXT4"),
+        ("xfs", "FGDS_XFS"),
+        ("btrfs", "FGDS_BTRFS"),
+    ] {
+        let Ok(dir) = std::env::var(var) else {
+            ktap::diag(format_args!("no {fs} in this kernel ({var} unset)"));
+            continue;
+        };
+        let path = format!("{dir}/bench.dat");
+        let mut data = vec![0u8; LEN as usize];
+        fgds_tests::pattern::fill(0xf11e, 0, &mut data);
+        std::fs::write(&path, &data)?;
+        // SAFETY: sync(2) takes no arguments.
+        unsafe { libc::sync() };
+        targets.push((fs.to_owned(), path, 0));
+    }
+    for (fs, path, offset) in &targets {
+        for op in ["read", "write"] {
+            for (bs, qd) in [(4u64 << 10, 1u64), (1 << 20, 8)] {
+                let amount = Amount::Seconds(if bs == 4 << 10 { 1.5 } else { 0.5 });
+                match fgds_bench(
+                    path,
+                    op,
+                    bs,
+                    qd,
+                    amount,
+                    *offset,
+                    LEN,
+                    "3",
+                    &["ram", "direct"],
+                ) {
+                    Ok(rows) => {
+                        for mut row in rows {
+                            row["fs"] = serde_json::Value::from(fs.as_str());
+                            row["set"] = serde_json::Value::from("files");
+                            ktap::diag(format_args!("fgds-bench: {row}"));
+                        }
+                    }
+                    Err(err) => {
+                        let row = serde_json::json!({
+                            "fs": fs, "set": "files", "op": op, "block_size": bs,
+                            "queue_depth": qd, "mode": "direct",
+                            "refused": format!("{err:#}").lines().last().unwrap_or_default(),
+                        });
+                        ktap::diag(format_args!("fgds-bench: {row}"));
+                    }
+                }
+            }
+        }
+    }
+    ktap::pass()
 }
 
 /// The grid to run: `FGDS_BENCH` (kernel parameter `fgds.bench`): `quick`, `profile`, or
@@ -130,8 +202,8 @@ fn fgds_bench(
 }
 
 fn grid() -> CaseResult {
-    if kind() == "profile" {
-        return ktap::skip("fgds.bench=profile runs only the profile");
+    if kind() == "profile" || kind() == "files" {
+        return ktap::skip("fgds.bench=profile and files run only their own");
     }
     let nvme = fgds_tests::guest::nvme_path()?
         .to_string_lossy()
@@ -227,8 +299,8 @@ fn list_override(var: &str) -> anyhow::Result<Option<Vec<u64>>> {
 /// GPU's node, which sets its page provider up, and pinning the buffer as a fixed buffer.
 fn registration_cost() -> CaseResult {
     const GIB: u64 = 1 << 30;
-    if kind() == "profile" {
-        return ktap::skip("fgds.bench=profile runs only the profile");
+    if kind() == "profile" || kind() == "files" {
+        return ktap::skip("fgds.bench=profile and files run only their own");
     }
     if p2pmem_set() {
         return ktap::skip("the p2pmem boot runs only the grid (fgds takes vgpu's pages there)");
