@@ -1041,7 +1041,8 @@ fn log2(bytes: u64) -> f64 {
     (bytes.max(1) as f64).log2()
 }
 
-fn human(bytes: u64) -> String {
+/// A block size as the tables print it: `4K`, `1M`.
+pub fn human(bytes: u64) -> String {
     if bytes >= 1 << 20 {
         format!("{}M", bytes >> 20)
     } else {

@@ -303,7 +303,7 @@ fn markdown(rows: &[Value], spec: &str, release: &str, runtime: u64) -> String {
         };
         out.push_str(&format!(
             "| {rw} | {} | {depth} | {} | {} | {} | {} | {} |\n",
-            human(*bs),
+            crate::bench::human(*bs),
             cell("fgds"),
             cell("io_uring"),
             cell("io_uring-huge"),
@@ -312,14 +312,6 @@ fn markdown(rows: &[Value], spec: &str, release: &str, runtime: u64) -> String {
         ));
     }
     out
-}
-
-fn human(bytes: u64) -> String {
-    match bytes {
-        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
-        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
-        b => b.to_string(),
-    }
 }
 
 /// Replaces docs/performance.md's fio section with `table`.
