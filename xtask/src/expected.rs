@@ -395,6 +395,7 @@ pub const SKIPS: &[Skip] = &[
     },
     Skip {
         cases: &[
+            "fgds_fio::example_job_file_verifies",
             "fgds_fio::write_then_verify_depth_8",
             "fgds_fio::randwrite_verify_4k_depth_32",
             "fgds_fio::ext4_file_verify",

@@ -42,6 +42,11 @@ pub struct Options {
     /// Leave docs/performance.md alone (the table is still printed and kept in target/fio/).
     #[arg(long)]
     pub no_doc: bool,
+    /// Run this job file in the guest instead of the grid, with FGDS_ENGINE, FGDS_FILE (the
+    /// raw namespace), FGDS_OFFSET (its scratch area) and FGDS_DMABUF (vgpu) set for `${...}`
+    /// in it (fio/fgds-verify.fio is one); fio's output is printed.
+    #[arg(long, value_name = "FILE")]
+    pub job: Option<PathBuf>,
 }
 
 /// Builds the engine for the host's fio; returns the shared object.
@@ -159,9 +164,12 @@ fn fio_source() -> anyhow::Result<PathBuf> {
     Ok(src)
 }
 
-/// Stages the guest's fio (the host's binary and the shared libraries it loads) and the engine;
-/// returns the staged root.
-pub fn stage_guest() -> anyhow::Result<PathBuf> {
+/// Where the job files of fio/ are in the guest, and `cargo xtask fio --job`'s as `job.fio`.
+pub const GUEST_JOBS: &str = "usr/share/fgds/fio";
+
+/// Stages the guest's fio (the host's binary and the shared libraries it loads), the engine and
+/// the job files of fio/ (and `job`, as `job.fio`); returns the staged root.
+pub fn stage_guest(job: Option<&Path>) -> anyhow::Result<PathBuf> {
     let engine = build_engine()?;
     let root = crate::project_root().join("target/fio/guest");
     if root.exists() {
@@ -192,12 +200,27 @@ pub fn stage_guest() -> anyhow::Result<PathBuf> {
     let dest = root.join(GUEST_ENGINE);
     std::fs::create_dir_all(dest.parent().expect("the engine's directory"))?;
     std::fs::copy(&engine, &dest)?;
+    let jobs = root.join(GUEST_JOBS);
+    std::fs::create_dir_all(&jobs)?;
+    for entry in std::fs::read_dir(crate::project_root().join("fio"))?.flatten() {
+        let path = entry.path();
+        if path.extension().is_some_and(|e| e == "fio") {
+            std::fs::copy(&path, jobs.join(entry.file_name()))?;
+        }
+    }
+    if let Some(job) = job {
+        std::fs::copy(job, jobs.join("job.fio"))
+            .with_context(|| format!("cannot read the job file {}", job.display()))?;
+    }
     Ok(root)
 }
 
 /// `cargo xtask fio`: the grid in the guest, its table printed, kept in `target/fio/` and
 /// written into docs/performance.md.
 pub fn fio(opts: &Options) -> anyhow::Result<ExitCode> {
+    if let Some(job) = &opts.job {
+        return run_job(opts, job);
+    }
     let boot = || {
         vm::run_kernel(&vm::Options {
             append: format!("fgds.fio=bench fgds.fio_runtime={}", opts.runtime),
@@ -255,6 +278,31 @@ pub fn fio(opts: &Options) -> anyhow::Result<ExitCode> {
         println!("written to docs/performance.md (between {DOC_BEGIN:?} and {DOC_END:?})");
     }
     Ok(if passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// `cargo xtask fio --job FILE`: the job file in the guest (single-threaded TCG, the suite's
+/// machine), fio's output printed, its exit status the verdict.
+fn run_job(opts: &Options, job: &Path) -> anyhow::Result<ExitCode> {
+    if !job.is_file() {
+        bail!("--job {}: no such file", job.display());
+    }
+    let run = vm::run_kernel(&vm::Options {
+        append: "fgds.fio=job".to_owned(),
+        programs: vec![(PROGRAM.to_owned(), TIMEOUT_SECS)],
+        fio_job: Some(job.to_path_buf()),
+        ..vm::Options::for_kernel(&opts.kernel)
+    })?;
+    let ktap = std::fs::read(run.run_dir.join("ktap.log"))
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .context("the run left no KTAP log")?;
+    for line in ktap.lines().filter_map(|l| l.split("fio| ").nth(1)) {
+        println!("{line}");
+    }
+    Ok(if crate::report::print(run.outcomes) {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

@@ -67,6 +67,9 @@ pub struct Options {
     /// The guest loads xfs and btrfs for `programs` (as a suite line's `+fs` does).
     #[arg(skip)]
     pub filesystems: bool,
+    /// A fio job file staged for the guest as `job.fio` (`cargo xtask fio --job`).
+    #[arg(skip)]
+    pub fio_job: Option<PathBuf>,
     /// A translating vIOMMU (intel-iommu); devices on separate root ports, P2P through the
     /// host bridge.
     #[arg(long)]
@@ -105,6 +108,7 @@ impl Options {
             programs: Vec::new(),
             nvme_mdts: None,
             filesystems: false,
+            fio_job: None,
         }
     }
 }
@@ -312,7 +316,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
         None
     };
     let staged = if suite.iter().any(|e| e.fio) {
-        vec![phases.run("fio", fio::stage_guest)?]
+        vec![phases.run("fio", || fio::stage_guest(opts.fio_job.as_deref()))?]
     } else {
         Vec::new()
     };

@@ -32,9 +32,20 @@ fn main() {
             run: grid,
         }]);
     }
+    if cmdline.split_whitespace().any(|w| w == "fgds.fio=job") {
+        guest::skip_if_fgds_refuses();
+        ktap::run(&[Case {
+            name: "job",
+            run: given_job,
+        }]);
+    }
     guest::skip_unless_vgpu();
     guest::skip_if_fgds_refuses();
     ktap::run(&[
+        Case {
+            name: "example_job_file_verifies",
+            run: example_job_file_verifies,
+        },
         Case {
             name: "write_then_verify_depth_8",
             run: write_then_verify_depth_8,
@@ -60,6 +71,78 @@ fn main() {
             run: buffered_job_refused,
         },
     ])
+}
+
+/// Where xtask/src/fio.rs stages fio/'s job files (and `cargo xtask fio --job`'s as job.fio).
+const JOBS: &str = "/usr/share/fgds/fio";
+
+/// Runs the job file `path` with the variables fio/'s job files expect; fio's JSON output.
+fn fio_job_file(path: &str, json: bool) -> anyhow::Result<Run> {
+    let vgpu = guest::vgpu_name()?;
+    let out = Command::new(FIO)
+        .args(json.then_some("--output-format=json"))
+        .arg(path)
+        .env("FGDS_ENGINE", ENGINE)
+        .env("FGDS_FILE", guest::nvme_path()?)
+        .env("FGDS_OFFSET", AREA.to_string())
+        .env(
+            "FGDS_DMABUF",
+            format!("vgpu:{}", vgpu.trim_start_matches("vgpu")),
+        )
+        .output()
+        .with_context(|| format!("cannot run {FIO} {path}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json = json
+        .then(|| stdout.find('{'))
+        .flatten()
+        .and_then(|at| serde_json::from_str(&stdout[at..]).ok());
+    Ok(Run {
+        ok: out.status.success(),
+        json,
+        text: format!("{}{}", String::from_utf8_lossy(&out.stderr), stdout),
+    })
+}
+
+/// fio/fgds-verify.fio, the job file users start from: each of its jobs wrote its size through
+/// GPU memory and verified all of it, with no error.
+fn example_job_file_verifies() -> CaseResult {
+    let run = fio_job_file(&format!("{JOBS}/fgds-verify.fio"), true)?;
+    if !run.ok && run.text.contains("cannot carry fgds's commands") {
+        return ktap::skip(
+            "EOPNOTSUPP: this kernel's io_uring loses the byte count (fgds_ioctl=1 runs here)",
+        );
+    }
+    ensure!(run.ok, "fio failed:\n{}", run.text);
+    let jobs = run
+        .json
+        .as_ref()
+        .and_then(|j| j["jobs"].as_array())
+        .with_context(|| format!("fio printed no job results:\n{}", run.text))?;
+    ensure!(jobs.len() == 2, "{} jobs ran, not 2:\n{}", jobs.len(), run.text);
+    for (job, want) in jobs.iter().zip([16 * MIB, 4 * MIB]) {
+        let (written, read) = (
+            job["write"]["io_bytes"].as_u64().unwrap_or_default(),
+            job["read"]["io_bytes"].as_u64().unwrap_or_default(),
+        );
+        ensure!(
+            job["error"] == 0 && written == want && read == want,
+            "job {}: error {}, {written} bytes written and {read} verified, not {want}",
+            job["jobname"],
+            job["error"]
+        );
+    }
+    ktap::pass()
+}
+
+/// `cargo xtask fio --job FILE`: the file, fio's own output as diagnostics (`fio| ` lines for
+/// the host), its exit status the verdict.
+fn given_job() -> CaseResult {
+    let run = fio_job_file(&format!("{JOBS}/job.fio"), false)?;
+    for line in run.text.lines() {
+        ktap::diag(format_args!("fio| {line}"));
+    }
+    ensure!(run.ok, "fio failed (its output is above)");
+    ktap::pass()
 }
 
 /// One fio job's result: the exit status, fio's JSON (where it printed one) and its stderr.
