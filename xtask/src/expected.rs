@@ -328,6 +328,13 @@ pub const SKIPS: &[Skip] = &[
               takes first on the comparator kernel; uring_dmabuf and fgds_crate check that path",
     },
     Skip {
+        cases: &["fgds_fio"],
+        when: &[When::LacksAny(&["CONFIG_SYSVIPC"])],
+        reason: "the kernel has no SysV IPC",
+        why: "fio keeps its job table in SysV shared memory; the build: kernels leave \
+              CONFIG_SYSVIPC out (configs/base.config), Debian's have it",
+    },
+    Skip {
         cases: &["fgds_data::xfs_file_both_directions"],
         when: &[When::LacksAny(&["CONFIG_XFS_FS"])],
         reason: "the kernel has no xfs",
