@@ -301,7 +301,7 @@ fn files(opts: &Options) -> anyhow::Result<ExitCode> {
         bail!("the guest measured nothing (see {})", run.run_dir.display());
     }
     let mut table = format!(
-        "`cargo xtask bench --files --kernel {}` (`{}`): a 64 MiB file of each file system (the raw \
+        "`cargo xtask bench --files --kernel {}` (`{}`): a 32 MiB file of each file system (the raw \
          namespace beside them), `ram` and `direct` in the same turns, 3 repetitions.\n\n\
          | fs | point | ram MiB/s | direct MiB/s | direct/ram |\n|---|---|---:|---:|---:|\n",
         run.spec, run.release

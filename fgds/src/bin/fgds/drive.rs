@@ -32,11 +32,24 @@ impl Drive {
         } else {
             meta.dev()
         };
-        let dev = PathBuf::from(format!(
+        let mut dev = PathBuf::from(format!(
             "/sys/dev/block/{}:{}",
             libc::major(dev),
             libc::minor(dev)
         ));
+        // btrfs gives its files an anonymous device number: the mount's source is the disk.
+        if !dev.exists()
+            && let Some(source) = mount_source(dev.file_name().unwrap_or_default())
+        {
+            let rdev = std::fs::metadata(&source).map(|m| m.rdev()).ok();
+            if let Some(rdev) = rdev.filter(|&r| r != 0) {
+                dev = PathBuf::from(format!(
+                    "/sys/dev/block/{}:{}",
+                    libc::major(rdev),
+                    libc::minor(rdev)
+                ));
+            }
+        }
         let dev = dev.canonicalize().with_context(|| {
             format!(
                 "cannot resolve {} (the block device of {})",
@@ -101,4 +114,19 @@ impl Drive {
             writes: field(4)?,
         })
     }
+}
+
+/// The source of the mount whose device number is `dev` (`major:minor`, as
+/// /proc/self/mountinfo's third field has it).
+fn mount_source(dev: &std::ffi::OsStr) -> Option<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    info.lines().find_map(|line| {
+        let mut fields = line.split(' ');
+        if fields.nth(2)? != dev.to_str()? {
+            return None;
+        }
+        // After the optional fields: " - fstype source options".
+        let (_, rest) = line.split_once(" - ")?;
+        rest.split(' ').nth(1).map(PathBuf::from)
+    })
 }
