@@ -39,7 +39,7 @@ impl Drive {
         ));
         // btrfs gives its files an anonymous device number: the mount's source is the disk.
         if !dev.exists()
-            && let Some(source) = mount_source(dev.file_name().unwrap_or_default())
+            && let Some(source) = mount_source(file)
         {
             let rdev = std::fs::metadata(&source).map(|m| m.rdev()).ok();
             if let Some(rdev) = rdev.filter(|&r| r != 0) {
@@ -116,17 +116,19 @@ impl Drive {
     }
 }
 
-/// The source of the mount whose device number is `dev` (`major:minor`, as
-/// /proc/self/mountinfo's third field has it).
-fn mount_source(dev: &std::ffi::OsStr) -> Option<PathBuf> {
+/// The source of the mount that holds `file` (the longest mount point of /proc/self/mountinfo
+/// above it).
+fn mount_source(file: &Path) -> Option<PathBuf> {
+    let file = file.canonicalize().ok()?;
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    info.lines().find_map(|line| {
-        let mut fields = line.split(' ');
-        if fields.nth(2)? != dev.to_str()? {
-            return None;
-        }
-        // After the optional fields: " - fstype source options".
-        let (_, rest) = line.split_once(" - ")?;
-        rest.split(' ').nth(1).map(PathBuf::from)
-    })
+    info.lines()
+        .filter_map(|line| {
+            let point = line.split(' ').nth(4)?;
+            // After the optional fields: " - fstype source options".
+            let source = line.split_once(" - ")?.1.split(' ').nth(1)?;
+            file.starts_with(point)
+                .then(|| (point.len(), PathBuf::from(source)))
+        })
+        .max_by_key(|(len, _)| *len)
+        .map(|(_, source)| source)
 }
