@@ -1352,10 +1352,14 @@ fn thread_io(
             .completion()
             .map(|c| (c.user_data() as usize, c.result()))
             .collect::<Vec<_>>();
-        for (slot, res) in done {
+        let reaped = done.len();
+        for (i, (slot, res)) in done.into_iter().enumerate() {
             in_flight -= 1;
             if res != bs as i32 {
-                // Drain what is in flight, so no request outlives its memory.
+                // Drain what is in flight, so no request outlives its memory: the completions
+                // reaped with this one are no longer in flight (counting them hung the bench
+                // when a refused file failed every request of a deep queue at once).
+                in_flight -= reaped - i - 1;
                 while in_flight > 0 {
                     ring.submit_and_wait(1)?;
                     in_flight -= ring.completion().count();
