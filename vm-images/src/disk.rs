@@ -37,6 +37,9 @@ pub const SMALL_DRIVE_BYTES: u64 = 128 << 20;
 
 /// Bytes of the xfs namespace: mkfs.xfs takes no less than 300 MiB (the image is sparse).
 pub const XFS_DRIVE_BYTES: u64 = 320 << 20;
+/// Bytes of the btrfs namespace: room for what copy-on-write leaves behind when a benchmark
+/// rewrites a file for seconds (the image is sparse).
+pub const BTRFS_DRIVE_BYTES: u64 = 512 << 20;
 
 /// Writes a fresh, empty ext4 filesystem image of `bytes` (with `mkfs.ext4` from e2fsprogs).
 pub fn write_ext4_image(path: &Path, bytes: u64) -> anyhow::Result<()> {

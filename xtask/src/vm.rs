@@ -413,7 +413,10 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
     let memory = run_memory::create(
         run_dir,
         opts.gpu_bytes,
-        pattern::NVME_IMAGE_BYTES + 3 * disk::SMALL_DRIVE_BYTES + disk::XFS_DRIVE_BYTES,
+        pattern::NVME_IMAGE_BYTES
+            + 2 * disk::SMALL_DRIVE_BYTES
+            + disk::XFS_DRIVE_BYTES
+            + disk::BTRFS_DRIVE_BYTES,
     )?;
     let gpu_backing = memory.gpu.clone();
     let nvme_image = memory.drive("nvme.img")?;
@@ -426,7 +429,7 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         disk::write_gpu_backing(&gpu_backing, opts.gpu_bytes)?;
         disk::write_ext4_image(&ext4_image, disk::SMALL_DRIVE_BYTES)?;
         disk::write_fs_image(&xfs_image, "xfs", disk::XFS_DRIVE_BYTES)?;
-        disk::write_fs_image(&btrfs_image, "btrfs", disk::SMALL_DRIVE_BYTES)?;
+        disk::write_fs_image(&btrfs_image, "btrfs", disk::BTRFS_DRIVE_BYTES)?;
         disk::write_gpu_backing(&nvme2_image, disk::SMALL_DRIVE_BYTES)?;
         Ok(())
     })?;

@@ -47,7 +47,7 @@ fn files() -> CaseResult {
     if kind() != "files" {
         return ktap::skip("only with fgds.bench=files");
     }
-    // What the smallest of the file systems (btrfs in 128 MiB) takes.
+    // What the smallest of the file systems (ext4 in 128 MiB) takes.
     const LEN: u64 = 32 << 20;
     let nvme = fgds_tests::guest::nvme_path()?
         .to_string_lossy()
