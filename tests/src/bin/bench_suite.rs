@@ -96,13 +96,9 @@ fn files() -> CaseResult {
                     Ok(rows) => emit(rows),
                     // `direct` cannot be set up here (btrfs): `ram` alone, and why.
                     Err(err) => {
+                        // The CLI's own error, after its progress lines.
                         let text = format!("{err:#}");
-                        let reason = text
-                            .lines()
-                            .rev()
-                            .find(|l| l.contains("direct"))
-                            .unwrap_or(text.as_str())
-                            .trim();
+                        let reason = text.rsplit("fgds: ").next().unwrap_or_default().trim();
                         let row = serde_json::json!({
                             "fs": fs, "set": "files", "op": op, "block_size": bs,
                             "queue_depth": qd, "mode": "direct", "refused": reason,
