@@ -79,6 +79,7 @@ fn main() {
             "reg_not_a_dmabuf_einval",
             "reg_udmabuf_einval",
             "unknown_ioctl_enotty",
+            "unprivileged_non_member_refused_eacces",
             "unsafe_setup_refused",
         ],
     )
