@@ -42,9 +42,9 @@ pub struct Config {
     pub nvme_image: PathBuf,
     /// An ext4 filesystem image: the raw drive's second namespace.
     pub ext4_image: PathBuf,
-    /// An xfs and a btrfs filesystem image: its third and fourth namespaces.
-    pub xfs_image: PathBuf,
-    pub btrfs_image: PathBuf,
+    /// An xfs and a btrfs filesystem image: its third and fourth namespaces, where given.
+    pub xfs_image: Option<PathBuf>,
+    pub btrfs_image: Option<PathBuf>,
     /// The second drive's image.
     pub nvme2_image: PathBuf,
     pub gpu_backing: PathBuf,
@@ -243,11 +243,15 @@ pub fn args(config: &Config) -> Vec<String> {
     // its child (research/kernel-mechanisms.md 5.2).
     push(&["-blockdev", &nvme_blockdev(config)]);
     push(&["-blockdev", &raw_blockdev("nvme0-ext4", &config.ext4_image)]);
-    push(&["-blockdev", &raw_blockdev("nvme0-xfs", &config.xfs_image)]);
-    push(&[
-        "-blockdev",
-        &raw_blockdev("nvme0-btrfs", &config.btrfs_image),
-    ]);
+    let other_fs = [
+        (3, "xfs", &config.xfs_image),
+        (4, "btrfs", &config.btrfs_image),
+    ];
+    for (_, fs, image) in other_fs {
+        if let Some(image) = image {
+            push(&["-blockdev", &raw_blockdev(&format!("nvme0-{fs}"), image)]);
+        }
+    }
     push(&[
         "-blockdev",
         &raw_blockdev("nvme1-disk", &config.nvme2_image),
@@ -266,7 +270,11 @@ pub fn args(config: &Config) -> Vec<String> {
         "-device",
         &format!("nvme-ns,drive=nvme0-disk,nsid=1,bus={NVME_ID}"),
     ]);
-    for (nsid, fs) in [(2, "ext4"), (3, "xfs"), (4, "btrfs")] {
+    let namespaces = other_fs
+        .iter()
+        .filter(|(_, _, image)| image.is_some())
+        .map(|(nsid, fs, _)| (*nsid, *fs));
+    for (nsid, fs) in [(2, "ext4")].into_iter().chain(namespaces) {
         push(&[
             "-device",
             &format!("nvme-ns,drive=nvme0-{fs},nsid={nsid},bus={NVME_ID}"),
@@ -568,8 +576,8 @@ mod tests {
             memory_mib: 2048,
             nvme_image: "nvme.img".into(),
             ext4_image: "ext4.img".into(),
-            xfs_image: "xfs.img".into(),
-            btrfs_image: "btrfs.img".into(),
+            xfs_image: None,
+            btrfs_image: None,
             nvme2_image: "nvme2.img".into(),
             gpu_backing: "gpu".into(),
             gpu_bytes: 1 << 28,

@@ -421,15 +421,26 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
     let gpu_backing = memory.gpu.clone();
     let nvme_image = memory.drive("nvme.img")?;
     let ext4_image = memory.drive("ext4.img")?;
-    let xfs_image = memory.drive("xfs.img")?;
-    let btrfs_image = memory.drive("btrfs.img")?;
+    // xfs and btrfs namespaces only for a run with a program that uses them (`+fs`): every
+    // other run keeps the machine the comparator's unplug cases were measured on.
+    let filesystems = suite.iter().any(|e| e.fs);
+    let (xfs_image, btrfs_image) = if filesystems {
+        (
+            Some(memory.drive("xfs.img")?),
+            Some(memory.drive("btrfs.img")?),
+        )
+    } else {
+        (None, None)
+    };
     let nvme2_image = memory.drive("nvme2.img")?;
     phases.run("image", || {
         disk::write_nvme_image(&nvme_image)?;
         disk::write_gpu_backing(&gpu_backing, opts.gpu_bytes)?;
         disk::write_ext4_image(&ext4_image, disk::SMALL_DRIVE_BYTES)?;
-        disk::write_fs_image(&xfs_image, "xfs", disk::XFS_DRIVE_BYTES)?;
-        disk::write_fs_image(&btrfs_image, "btrfs", disk::BTRFS_DRIVE_BYTES)?;
+        if let (Some(xfs), Some(btrfs)) = (&xfs_image, &btrfs_image) {
+            disk::write_fs_image(xfs, "xfs", disk::XFS_DRIVE_BYTES)?;
+            disk::write_fs_image(btrfs, "btrfs", disk::BTRFS_DRIVE_BYTES)?;
+        }
         disk::write_gpu_backing(&nvme2_image, disk::SMALL_DRIVE_BYTES)?;
         Ok(())
     })?;
@@ -439,13 +450,20 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         initrd: initrd.clone(),
         // Where vfio is built in (the comparator kernel), its type1 parameter comes from the
         // command line; where it is a module the init passes it at load (VFIO_MODULES).
-        cmdline: if run_config.exporter == expected::Exporter::Vfio {
-            format!("{} {}", opts.append, guest::VFIO_BUILTIN_PARAMS)
-                .trim()
-                .to_owned()
-        } else {
-            opts.append.clone()
-        },
+        cmdline: format!(
+            "{} {} {}",
+            opts.append,
+            if run_config.exporter == expected::Exporter::Vfio {
+                guest::VFIO_BUILTIN_PARAMS
+            } else {
+                ""
+            },
+            // The init waits for and mounts the xfs and btrfs namespaces only then.
+            if filesystems { "fgds.fs=1" } else { "" }
+        )
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" "),
         accel: match (opts.accel, opts.tcg_threads) {
             (AccelArg::Tcg, TcgThreadsArg::Single) => Accel::Tcg(TcgThreads::Single),
             (AccelArg::Tcg, TcgThreadsArg::Multi) => Accel::Tcg(TcgThreads::Multi),

@@ -373,15 +373,11 @@ fn find_drives() -> Drives {
             }
         }
         let ready = |d: &Option<String>| d.as_deref().is_some_and(|p| Path::new(p).exists());
-        let all = [
-            &drives.nvme,
-            &drives.ext4,
-            &drives.nvme2,
-            &drives.xfs,
-            &drives.btrfs,
-        ]
-        .into_iter()
-        .all(ready);
+        let fs = wants_other_fs();
+        let all = [&drives.nvme, &drives.ext4, &drives.nvme2]
+            .into_iter()
+            .chain([&drives.xfs, &drives.btrfs].into_iter().filter(|_| fs))
+            .all(ready);
         if all || Instant::now() > deadline {
             return drives;
         }
@@ -428,7 +424,8 @@ fn prepare_drives() -> (Drives, Vec<String>) {
         }
     }
     let known = fs::read_to_string("/proc/filesystems").unwrap_or_default();
-    for (fs_type, nsid, mount, var) in OTHER_FS {
+    let other_fs = if wants_other_fs() { OTHER_FS } else { &[] };
+    for (fs_type, nsid, mount, var) in other_fs {
         let dev = if *fs_type == "xfs" {
             &drives.xfs
         } else {
@@ -463,6 +460,13 @@ fn prepare_drives() -> (Drives, Vec<String>) {
         }
     }
     (drives, errors)
+}
+
+/// Whether the host attached the xfs and btrfs namespaces (`fgds.fs=1` on the command line:
+/// a program of the run uses them).
+fn wants_other_fs() -> bool {
+    fs::read_to_string("/proc/cmdline")
+        .is_ok_and(|c| c.split_whitespace().any(|w| w == "fgds.fs=1"))
 }
 
 /// Writes 2 to `/sys/block/NAME/queue/nomerges` of the disk `dev` (`/dev/NAME`).
