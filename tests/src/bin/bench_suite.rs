@@ -82,17 +82,9 @@ fn files() -> CaseResult {
         for op in ["read", "write"] {
             for (bs, qd) in [(4u64 << 10, 1u64), (1 << 20, 8)] {
                 let amount = Amount::Seconds(if bs == 4 << 10 { 1.5 } else { 0.5 });
-                match fgds_bench(
-                    path,
-                    op,
-                    bs,
-                    qd,
-                    amount,
-                    *offset,
-                    LEN,
-                    "3",
-                    &["ram", "direct"],
-                ) {
+                let bench =
+                    |modes: &[&str]| fgds_bench(path, op, bs, qd, amount, *offset, LEN, "3", modes);
+                match bench(&["ram", "direct"]) {
                     Ok(rows) => emit(rows),
                     // `direct` cannot be set up here (btrfs): `ram` alone, and why.
                     Err(err) => {
@@ -104,17 +96,7 @@ fn files() -> CaseResult {
                             "queue_depth": qd, "mode": "direct", "refused": reason,
                         });
                         ktap::diag(format_args!("fgds-bench: {row}"));
-                        emit(fgds_bench(
-                            path,
-                            op,
-                            bs,
-                            qd,
-                            amount,
-                            *offset,
-                            LEN,
-                            "3",
-                            &["ram"],
-                        )?);
+                        emit(bench(&["ram"])?);
                     }
                 }
             }

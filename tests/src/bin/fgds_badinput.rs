@@ -590,6 +590,21 @@ fn in_child_as_user(body: impl FnOnce() -> anyhow::Result<String>) -> CaseResult
     })
 }
 
+/// The crate's error of `what`, which must be `errno` with a message naming `names`.
+fn refused(what: &str, res: fgds::Result<()>, errno: i32, names: &str) -> anyhow::Result<String> {
+    let err = match res {
+        Ok(()) => bail!("{what} succeeded"),
+        Err(err) => err,
+    };
+    let text = err.to_string();
+    ensure!(
+        err.errno() == errno && text.contains(names),
+        "{what}: {text} (errno {}, not {errno} naming {names:?})",
+        err.errno()
+    );
+    Ok(text)
+}
+
 /// The PCI address of the GPU fgds serves.
 fn first_gpu() -> anyhow::Result<String> {
     Ok(fgds::Gpu::list()?
@@ -628,16 +643,12 @@ fn unprivileged_group_member() -> CaseResult {
         if let Some(at) = fgds_tests::pattern::first_mismatch(0x5e7, 0, got) {
             bail!("the user's file reached GPU memory wrong from byte {at}");
         }
-        let err = match gpu.register(dmabuf.as_fd(), LEN, LEN) {
-            Ok(_) => bail!("4 more MiB registered past a 6 MiB RLIMIT_MEMLOCK"),
-            Err(err) => err,
-        };
-        let text = err.to_string();
-        ensure!(
-            err.errno() == libc::ENOMEM && text.contains("RLIMIT_MEMLOCK, 6144 KiB"),
-            "past RLIMIT_MEMLOCK: {text} (errno {})",
-            err.errno()
-        );
+        let text = refused(
+            "4 more MiB past a 6 MiB RLIMIT_MEMLOCK",
+            gpu.register(dmabuf.as_fd(), LEN, LEN).map(drop),
+            libc::ENOMEM,
+            "RLIMIT_MEMLOCK, 6144 KiB",
+        )?;
         Ok(format!("past the limit: {text}"))
     });
     let _ = std::fs::remove_file(&file);
@@ -649,16 +660,12 @@ fn unprivileged_group_member() -> CaseResult {
 fn unprivileged_non_member() -> CaseResult {
     in_child_as_user(|| {
         drop_to(1001, &[], 64 * MIB)?;
-        let err = match fgds::Gpu::open(&first_gpu()?) {
-            Ok(_) => bail!("a user outside the fgds group opened the node"),
-            Err(err) => err,
-        };
-        let text = err.to_string();
-        ensure!(
-            err.errno() == libc::EACCES && text.contains("fgds group"),
-            "outside the group: {text} (errno {})",
-            err.errno()
-        );
+        let text = refused(
+            "opening the node outside the fgds group",
+            fgds::Gpu::open(&first_gpu()?).map(drop),
+            libc::EACCES,
+            "fgds group",
+        )?;
         Ok(format!("refused: {text}"))
     })
 }
