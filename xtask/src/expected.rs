@@ -526,6 +526,25 @@ pub const KNOWN_BUGS: &[KnownBug] = &[
               dma-buf for ever; seen in some runs only; docs/upstream.md)",
         intermittent: true,
     },
+    KnownBug {
+        case: "uring_dmabuf::nvme_unplug_during_reads",
+        when: &[When::Patched("io-uring-dmabuf")],
+        failure: "let the dma-buf go",
+        bug: "known bug of Begunkov's io_uring dma-buf series v3 (the same leaked map reference \
+              as split_request_lets_the_dmabuf_go, when reads in flight are re-issued as the \
+              drive goes: the dma-buf is never released, io_dmabuf_token_release_work waits in \
+              D state; 3 of 4 fresh-clone CI runs on 2026-12-05; docs/upstream.md)",
+        intermittent: true,
+    },
+    KnownBug {
+        case: "uring_dmabuf::gpu_unplug_during_reads",
+        when: &[When::Patched("io-uring-dmabuf")],
+        failure: "the guest did not finish removing it",
+        bug: "known bug of Begunkov's io_uring dma-buf series v3 (after the leak of \
+              nvme_unplug_during_reads the GPU's removal waits for the dma-buf for ever; \
+              docs/upstream.md)",
+        intermittent: true,
+    },
 ];
 
 impl RunConfig {
