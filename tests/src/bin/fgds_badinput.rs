@@ -442,23 +442,7 @@ fn become_user(
 ) -> anyhow::Result<(std::fs::File, OwnedFd)> {
     let node = common::open_node()?;
     let (dmabuf, _) = common::alloc(&common::vgpu()?, len)?;
-    let limit = memlock.unwrap_or(libc::RLIM_INFINITY);
-    let rl = libc::rlimit {
-        rlim_cur: limit,
-        rlim_max: limit,
-    };
-    // SAFETY: plain system calls on this process's own limits and credentials.
-    let failed = unsafe {
-        libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl) != 0
-            || libc::setgid(uid) != 0
-            || libc::setuid(uid) != 0
-    };
-    if failed {
-        bail!(
-            "cannot become uid {uid}: {}",
-            std::io::Error::last_os_error()
-        );
-    }
+    drop_to(uid, &[], memlock.unwrap_or(libc::RLIM_INFINITY))?;
     Ok((node, dmabuf))
 }
 
