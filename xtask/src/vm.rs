@@ -253,7 +253,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
     let bin_dir = guest::bin_dir();
     let mut suite = guest::default_suite(&bin_dir)?;
     // The programs the expected-outcome table speaks for.
-    let covered = ["setup", "kmemleak"]
+    let covered = ["setup", "kmemleak", "vm"]
         .into_iter()
         .map(str::to_owned)
         .chain(suite.iter().map(|e| e.name.clone()))
@@ -512,7 +512,16 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         )),
         (_, Err(err), _) => Some(format!("{err:#}")),
         (_, Ok(()), true) => Some("QEMU reported a guest panic (pvpanic)".to_owned()),
-        (machine::Exit::Exited { .. }, Ok(()), false) => None,
+        (machine::Exit::Exited { .. }, Ok(()), false) => console
+            .lines()
+            .find(|l| l.contains(POWER_OFF_STUCK))
+            .map(|line| {
+                format!(
+                    "the guest's power-off was stuck, and the init restarted it: {} (the \
+                     console shows the blocked tasks)",
+                    line.trim()
+                )
+            }),
     };
     let planned = std::iter::once("setup".to_owned())
         .chain(suite.iter().map(|e| e.name.clone()))
@@ -652,6 +661,9 @@ struct MachineRun {
     results: Vec<(String, Duration)>,
     panicked: bool,
 }
+
+/// What the guest's init prints when the machine's power-off is stuck (vm-images/init).
+const POWER_OFF_STUCK: &str = "fgds-init: the power-off did not finish";
 
 fn run_machine(
     config: &machine::Config,

@@ -554,6 +554,12 @@ fn crate_read_while_merging(nvme: &File) -> anyhow::Result<(Option<fgds::Transfe
 /// counted and reported.
 fn ram_and_gpu_alternating_in_one_batch() -> CaseResult {
     fault::require_idle()?;
+    if !std::fs::read_to_string("/proc/filesystems")?.contains("\ttracefs") {
+        return ktap::skip(
+            "the kernel has no tracefs (CONFIG_TRACING), where the case counts the block \
+             layer's merges",
+        );
+    }
     let reg = registration(4 * MIB)?;
     if command_io(&reg.node, false, &uapi::Io::default())?.is_none() {
         drop(reg);

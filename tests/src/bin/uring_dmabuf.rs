@@ -65,23 +65,25 @@ fn main() {
             name: "drive_error_is_an_error",
             run: drive_error_is_an_error,
         },
+        // The cases where the series may keep a dma-buf for ever (docs/upstream.md) come
+        // last, the one that removes the GPU at the very end: after such a leak no later case
+        // could take the buffer's memory back. A case that finds an earlier case's leak says
+        // so ([`HELD_BY_AN_EARLIER_LEAK`]) instead of failing on its own account.
         Case {
-            name: "clearing_o_direct_after_registration",
-            run: clearing_o_direct_after_registration,
+            name: "split_request_lets_the_dmabuf_go",
+            run: split_request_lets_the_dmabuf_go,
         },
         Case {
             name: "nvme_unplug_during_reads",
             run: nvme_unplug_during_reads,
         },
         Case {
+            name: "clearing_o_direct_after_registration",
+            run: clearing_o_direct_after_registration,
+        },
+        Case {
             name: "gpu_unplug_during_reads",
             run: gpu_unplug_during_reads,
-        },
-        // Last: where the series keeps the dma-buf (docs/upstream.md), vgpu can never get it
-        // back, and no later case could remove the GPU.
-        Case {
-            name: "split_request_lets_the_dmabuf_go",
-            run: split_request_lets_the_dmabuf_go,
         },
     ])
 }
@@ -91,6 +93,17 @@ fn main() {
 const NVME2_ID: &str = "nvme1";
 const NVME2_ADD: &str = "nvme,id=nvme1,serial=fgds1,drive=nvme1-disk,bus=dn2";
 const NVME2_SERIAL: &str = "fgds1";
+/// How a case begins when an earlier case of the series left a map of a dma-buf behind: the
+/// known-bug rows of the three cases (xtask/src/expected.rs) accept it.
+const HELD_BY_AN_EARLIER_LEAK: &str = "an earlier case's leaked map holds a dma-buf";
+
+/// Fails with [`HELD_BY_AN_EARLIER_LEAK`] unless vgpu is there with no live buffer (waiting
+/// for releases in flight), then as [`fault::require_idle`].
+fn require_no_earlier_leak() -> anyhow::Result<()> {
+    fault::wait_vgpu_buffers_gone("before the case").context(HELD_BY_AN_EARLIER_LEAK)?;
+    fault::require_idle()
+}
+
 /// How long a reader may take to end once a device's removal completed.
 const BOUND: Duration = Duration::from_secs(10);
 
@@ -155,7 +168,7 @@ fn unplug_ending(err: &fgds::Error) -> bool {
 fn nvme_unplug_during_reads() -> CaseResult {
     const LEN: u64 = 8 * MIB;
     const SEED: u64 = 0x5544_4e32;
-    fault::require_idle()?;
+    require_no_earlier_leak()?;
     let nvme2 = fault::drive_by_serial(NVME2_SERIAL)
         .with_context(|| format!("no drive of serial {NVME2_SERIAL}"))?;
     fault::write_nvme2_pattern(&nvme2, SEED, LEN as usize)?;
@@ -210,7 +223,7 @@ fn nvme_unplug_during_reads() -> CaseResult {
 /// both ways through the series again.
 fn gpu_unplug_during_reads() -> CaseResult {
     const LEN: u64 = 8 * MIB;
-    fault::require_idle()?;
+    require_no_earlier_leak()?;
     let vgpu = common::vgpu()?;
     let (dmabuf, _) = common::alloc(&vgpu, LEN)?;
     drop(vgpu);
@@ -459,7 +472,7 @@ fn drive_error_is_an_error() -> CaseResult {
 /// stays held, and the exporter never gets it back.
 fn split_request_lets_the_dmabuf_go() -> CaseResult {
     const LEN: u64 = 4 * MIB;
-    fault::require_idle()?;
+    require_no_earlier_leak()?;
     let max_kb = std::fs::read_to_string(format!(
         "/sys/block/{}/queue/max_sectors_kb",
         fgds_tests::guest::nvme_path()?
@@ -509,7 +522,7 @@ fn split_request_lets_the_dmabuf_go() -> CaseResult {
 /// know the dma-buf iterator).
 fn clearing_o_direct_after_registration() -> CaseResult {
     const LEN: u64 = MIB;
-    fault::require_idle()?;
+    require_no_earlier_leak()?;
     fault::write_nvme_pattern(SEED_READ, LEN as usize, SCRATCH)?;
     let vgpu = common::vgpu()?;
     let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
@@ -544,17 +557,26 @@ fn clearing_o_direct_after_registration() -> CaseResult {
     rustix::fs::fcntl_setfl(&nvme, flags - rustix::fs::OFlags::DIRECT)?;
     let res = read(&mut ring)?;
     ktap::diag(format_args!("READ_FIXED after O_DIRECT was cleared: {res}"));
-    if res > 0 {
+    let landed = if res > 0 {
         ctl::gpu_check(bar_off, res as u64 & !7, SEED_READ).context(
             "a read through the dma-buf buffer succeeded after O_DIRECT was cleared, yet GPU \
              memory does not hold the drive's bytes (v3 checks O_DIRECT only at registration)",
-        )?;
-    }
+        )
+    } else {
+        Ok(())
+    };
     drop(ring);
     drop(nvme);
     drop(dmabuf);
-    fault::wait_vgpu_buffers_gone("after the case")?;
-    ktap::pass()
+    // Whether the series lets the dma-buf go after such a read, whatever the read did: a
+    // later case would otherwise find it held and could not say why.
+    let released = fault::wait_vgpu_buffers_gone("after the case");
+    match (landed, released) {
+        (Ok(()), Ok(_)) => ktap::pass(),
+        (Err(err), Ok(_)) => Err(err.into()),
+        (Ok(()), Err(err)) => Err(err.into()),
+        (Err(landed), Err(released)) => bail!("{landed:#}; and {released:#}"),
+    }
 }
 
 /// Where the vfio cases put their dma-bufs in BAR2.

@@ -69,9 +69,57 @@ fn main() {
     if let Err(err) = run() {
         console(&format!("fgds-init: {err:#}"));
     }
-    rustix::fs::sync();
-    // SAFETY: `reboot(2)` with RB_POWER_OFF has no memory-safety preconditions.
-    unsafe { libc::reboot(libc::RB_POWER_OFF) };
+    bounded_sync();
+    power_off();
+}
+
+/// How long the power-off waits for `sync(2)`.
+const SYNC_BOUND: Duration = Duration::from_secs(10);
+
+/// Syncs the filesystems, waiting at most [`SYNC_BOUND`]: the verdicts are already on the
+/// KTAP port, and a drive a test left wedged (a request that never completes) must not keep
+/// the machine up until the host's limit stops it.
+fn bounded_sync() {
+    let (done, synced) = mpsc::channel();
+    std::thread::spawn(move || {
+        rustix::fs::sync();
+        let _ = done.send(());
+    });
+    if synced.recv_timeout(SYNC_BOUND).is_err() {
+        console(&format!(
+            "fgds-init: sync did not finish in {SYNC_BOUND:?} (a wedged drive?): powering off"
+        ));
+    }
+}
+
+/// How long the power-off may take before the init restarts the machine at once.
+const POWER_OFF_BOUND: Duration = Duration::from_secs(20);
+
+/// What the init prints when the power-off is stuck; the host reports the run's machine as
+/// failed when the console has it (xtask/src/vm.rs).
+const POWER_OFF_STUCK: &str = "fgds-init: the power-off did not finish";
+
+/// Powers the machine off. The kernel's power-off shuts every device down under its device
+/// lock: a removal a test left stuck (a driver waiting for ever) would hold it up until the
+/// host's limit. Past [`POWER_OFF_BOUND`] the init prints [`POWER_OFF_STUCK`] and the blocked
+/// tasks (sysrq `w`), and restarts at once (sysrq `b`: no device shutdown), which QEMU's
+/// `-no-reboot` turns into its exit.
+fn power_off() -> ! {
+    std::thread::spawn(|| {
+        // SAFETY: `reboot(2)` with RB_POWER_OFF has no memory-safety preconditions.
+        unsafe { libc::reboot(libc::RB_POWER_OFF) };
+    });
+    std::thread::sleep(POWER_OFF_BOUND);
+    console(&format!(
+        "{POWER_OFF_STUCK} in {POWER_OFF_BOUND:?} (a device's shutdown or removal is stuck): \
+         the blocked tasks follow, then an immediate restart"
+    ));
+    for key in ["w", "b"] {
+        if let Err(err) = fs::write("/proc/sysrq-trigger", key) {
+            console(&format!("fgds-init: sysrq {key}: {err}"));
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
     loop {
         std::thread::sleep(Duration::from_secs(1));
     }
