@@ -573,8 +573,7 @@ fn clearing_o_direct_after_registration() -> CaseResult {
     let released = fault::wait_vgpu_buffers_gone("after the case");
     match (landed, released) {
         (Ok(()), Ok(_)) => ktap::pass(),
-        (Err(err), Ok(_)) => Err(err.into()),
-        (Ok(()), Err(err)) => Err(err.into()),
+        (Err(err), Ok(_)) | (Ok(()), Err(err)) => Err(err),
         (Err(landed), Err(released)) => bail!("{landed:#}; and {released:#}"),
     }
 }
