@@ -807,6 +807,8 @@ static long fgds_ioctl(struct file *filp, unsigned int cmd, unsigned long arg)
 		return fgds_ioctl_io(f, (void __user *)arg, false);
 	case FGDS_IOCTL_WRITE:
 		return fgds_ioctl_io(f, (void __user *)arg, true);
+	case FGDS_IOCTL_CHECK_FILE:
+		return fgds_ioctl_check_file(f, (void __user *)arg);
 	default:
 		return -ENOTTY;
 	}

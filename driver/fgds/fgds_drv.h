@@ -503,6 +503,7 @@ long fgds_ioctl_io(struct fgds_file *f, void __user *uarg, bool write);
 /* gate.c */
 int fgds_io_gate(struct fgds_gpu *gpu, struct file *file, int fd, bool write,
 		 struct pci_dev **dma_dev);
+long fgds_ioctl_check_file(struct fgds_file *f, void __user *uarg);
 
 /* uring.c */
 int fgds_uring_cmd(struct io_uring_cmd *cmd, unsigned int issue_flags);

@@ -38,6 +38,7 @@
  */
 
 #include <linux/blkdev.h>
+#include <linux/file.h>
 #include <linux/fs.h>
 #include <linux/pci.h>
 #include <linux/string.h>
@@ -89,55 +90,77 @@ static struct pci_dev *fgds_disk_pci_dev(struct gendisk *disk)
 	return NULL;
 }
 
-#define fgds_refuse(gpu, fd, fmt, ...)					\
-	dev_info_ratelimited(&(gpu)->dev, "%s: fd %d: " fmt "\n",	\
-			     current->comm, fd, ##__VA_ARGS__)
+/* What fgds_gate_file() found out about a file. */
+struct fgds_gate {
+	enum fgds_path path;
+	/* The file's disk, where it has one. */
+	struct block_device *bdev;
+	/* The PCI device that does the disk's DMA, where found. */
+	struct pci_dev *dma_dev;
+	/* FGDS_PATH_NO_P2P: fgds_gpu_dma_dev_check()'s phrase. */
+	const char *why;
+};
 
-static int fgds_gate_bdev(struct fgds_gpu *gpu, int fd,
-			  struct block_device *bdev, struct pci_dev **dma_dev)
+static void fgds_gate_bdev(struct fgds_gpu *gpu, struct block_device *bdev,
+			   struct fgds_gate *g)
 {
 	struct request_queue *q = bdev_get_queue(bdev);
 	u64 seq = bdev->bd_disk->diskseq;
-	struct pci_dev *pdev;
-	const char *why;
 
+	g->bdev = bdev;
 	if (!blk_queue_pci_p2pdma(q)) {
-		fgds_refuse(gpu, fd,
-			    "the queue of %pg does not take P2PDMA pages: fgds's reads and writes go only to NVMe drives that can DMA to the GPU; read this file into RAM instead",
-			    bdev);
-		return -EREMOTEIO;
+		g->path = FGDS_PATH_QUEUE;
+		return;
 	}
-	pdev = fgds_disk_pci_dev(bdev->bd_disk);
-	if (!pdev) {
-		fgds_refuse(gpu, fd,
-			    "%pg is not on a PCI device (md, dm, NVMe multipath or fabrics): fgds cannot tell which device does its DMA; read its members directly or go through RAM",
-			    bdev);
-		return -EREMOTEIO;
+	g->dma_dev = fgds_disk_pci_dev(bdev->bd_disk);
+	if (!g->dma_dev) {
+		g->path = FGDS_PATH_NO_PCI;
+		return;
 	}
-	*dma_dev = pdev;
 	/*
 	 * The disk's DMA device and its reach stay what they are for the
 	 * disk's life; its diskseq is never given to another disk.
 	 */
-	if (READ_ONCE(gpu->gate_diskseq) == seq)
-		goto merges;
-	why = fgds_gpu_dma_dev_check(gpu, pdev);
-	if (why) {
-		fgds_refuse(gpu, fd,
-			    "%pg: %s %s; put the drive and the GPU behind one PCIe switch (docs/driver.md, The gate)",
-			    bdev, why, pci_name(pdev));
-		return -EREMOTEIO;
+	if (READ_ONCE(gpu->gate_diskseq) != seq) {
+		g->why = fgds_gpu_dma_dev_check(gpu, g->dma_dev);
+		if (g->why) {
+			g->path = FGDS_PATH_NO_P2P;
+			return;
+		}
+		WRITE_ONCE(gpu->gate_diskseq, seq);
 	}
-	WRITE_ONCE(gpu->gate_diskseq, seq);
-merges:
 	if (READ_ONCE(gpu->mode) != FGDS_MODE_GENERIC && !blk_queue_nomerges(q)) {
-		fgds_refuse(gpu, fd,
-			    "requests of %pg may merge, and P2PDMA pages must not share a request with RAM; echo 2 > /sys/block/%s/queue/nomerges",
-			    bdev, bdev->bd_disk->disk_name);
-		return -EREMOTEIO;
+		g->path = FGDS_PATH_MERGES;
+		return;
 	}
-	return 0;
+	g->path = FGDS_PATH_DIRECT;
 }
+
+/* The rules of the top of this file, as a verdict in @g. */
+static void fgds_gate_file(struct fgds_gpu *gpu, struct file *file,
+			   bool write, struct fgds_gate *g)
+{
+	struct inode *inode = file_inode(file);
+	struct super_block *sb = inode->i_sb;
+
+	*g = (struct fgds_gate){};
+	if (!S_ISBLK(inode->i_mode) && !S_ISREG(inode->i_mode))
+		g->path = FGDS_PATH_FILE_TYPE;
+	else if (!(file->f_mode & (write ? FMODE_PWRITE : FMODE_PREAD)))
+		g->path = FGDS_PATH_NO_OFFSET;
+	else if (S_ISBLK(inode->i_mode))
+		fgds_gate_bdev(gpu, I_BDEV(file->f_mapping->host), g);
+	else if (!fgds_fs_is_block(sb))
+		g->path = FGDS_PATH_FS;
+	else if (IS_DAX(inode) || IS_ENCRYPTED(inode) || IS_VERITY(inode))
+		g->path = FGDS_PATH_CPU_COPY;
+	else
+		fgds_gate_bdev(gpu, sb->s_bdev, g);
+}
+
+#define fgds_refuse(gpu, fd, fmt, ...)					\
+	dev_info_ratelimited(&(gpu)->dev, "%s: fd %d: " fmt "\n",	\
+			     current->comm, fd, ##__VA_ARGS__)
 
 /**
  * fgds_io_gate() - may fgds hand a registration's pages to a file's I/O?
@@ -156,34 +179,107 @@ int fgds_io_gate(struct fgds_gpu *gpu, struct file *file, int fd, bool write,
 		 struct pci_dev **dma_dev)
 {
 	struct inode *inode = file_inode(file);
-	struct super_block *sb = inode->i_sb;
+	struct fgds_gate g;
 
-	if (!S_ISBLK(inode->i_mode) && !S_ISREG(inode->i_mode)) {
+	fgds_gate_file(gpu, file, write, &g);
+	switch (g.path) {
+	case FGDS_PATH_DIRECT:
+		*dma_dev = g.dma_dev;
+		return 0;
+	case FGDS_PATH_FILE_TYPE:
 		fgds_refuse(gpu, fd,
 			    "%s: fgds's reads and writes take block devices and files on ext4 or xfs only",
 			    fgds_file_type(inode->i_mode));
-		return -EREMOTEIO;
-	}
-	if (!(file->f_mode & (write ? FMODE_PWRITE : FMODE_PREAD))) {
+		break;
+	case FGDS_PATH_NO_OFFSET:
 		fgds_refuse(gpu, fd, "the file cannot be %s at an offset",
 			    write ? "written" : "read");
-		return -EREMOTEIO;
-	}
-	if (S_ISBLK(inode->i_mode))
-		return fgds_gate_bdev(gpu, fd, I_BDEV(file->f_mapping->host),
-				      dma_dev);
-	if (!fgds_fs_is_block(sb)) {
+		break;
+	case FGDS_PATH_FS:
 		fgds_refuse(gpu, fd,
 			    "a file on %s: its direct I/O is not the block layer's DMA (fgds takes files on ext4 or xfs); go through RAM",
-			    sb->s_type->name);
-		return -EREMOTEIO;
-	}
-	if (IS_DAX(inode) || IS_ENCRYPTED(inode) || IS_VERITY(inode)) {
+			    inode->i_sb->s_type->name);
+		break;
+	case FGDS_PATH_CPU_COPY:
 		fgds_refuse(gpu, fd,
 			    "a %s file on %s: its data goes through the CPU; go through RAM",
 			    IS_DAX(inode) ? "DAX" :
-			    IS_ENCRYPTED(inode) ? "encrypted" : "verity", sb->s_id);
-		return -EREMOTEIO;
+			    IS_ENCRYPTED(inode) ? "encrypted" : "verity",
+			    inode->i_sb->s_id);
+		break;
+	case FGDS_PATH_QUEUE:
+		fgds_refuse(gpu, fd,
+			    "the queue of %pg does not take P2PDMA pages: fgds's reads and writes go only to NVMe drives that can DMA to the GPU; read this file into RAM instead",
+			    g.bdev);
+		break;
+	case FGDS_PATH_NO_PCI:
+		fgds_refuse(gpu, fd,
+			    "%pg is not on a PCI device (md, dm, NVMe multipath or fabrics): fgds cannot tell which device does its DMA; read its members directly or go through RAM",
+			    g.bdev);
+		break;
+	case FGDS_PATH_NO_P2P:
+		fgds_refuse(gpu, fd,
+			    "%pg: %s %s; put the drive and the GPU behind one PCIe switch (docs/driver.md, The gate)",
+			    g.bdev, g.why, pci_name(g.dma_dev));
+		break;
+	case FGDS_PATH_MERGES:
+		fgds_refuse(gpu, fd,
+			    "requests of %pg may merge, and P2PDMA pages must not share a request with RAM; echo 2 > /sys/block/%s/queue/nomerges",
+			    g.bdev, g.bdev->bd_disk->disk_name);
+		break;
+	default:
+		WARN_ON_ONCE(1);
+		break;
 	}
-	return fgds_gate_bdev(gpu, fd, sb->s_bdev, dma_dev);
+	return -EREMOTEIO;
+}
+
+/**
+ * fgds_ioctl_check_file() - FGDS_IOCTL_CHECK_FILE
+ * @f: the node's open file
+ * @uarg: the user's struct fgds_check_file
+ *
+ * The verdict of fgds_io_gate() on a file, without moving data or logging.
+ *
+ * Return: 0, or a negative errno.
+ */
+long fgds_ioctl_check_file(struct fgds_file *f, void __user *uarg)
+{
+	struct fgds_check_file arg;
+	struct fgds_gate g;
+	struct fgds_buf *buf;
+	struct file *file;
+	int ret;
+
+	if (copy_from_user(&arg, uarg, sizeof(arg)))
+		return -EFAULT;
+	if (arg.flags & ~FGDS_CHECK_WRITE || (arg.idx & ~PAGE_MASK))
+		return -EINVAL;
+	buf = fgds_file_buf_get(f, arg.idx >> PAGE_SHIFT);
+	if (!buf)
+		return -ENOENT;
+	ret = -EBADF;
+	file = fget(arg.fd);
+	if (!file)
+		goto put_buf;
+	/* @users held: the provider, whose mode the gate reads, stays. */
+	ret = fgds_buf_users_get(buf);
+	if (ret)
+		goto put_file;
+	fgds_gate_file(buf->gpu, file, arg.flags & FGDS_CHECK_WRITE, &g);
+	fgds_buf_users_put(buf);
+	if (g.path == FGDS_PATH_DIRECT && !(file->f_flags & O_DIRECT))
+		g.path = FGDS_PATH_NOT_O_DIRECT;
+	arg.path = g.path;
+	arg.dma_domain = g.dma_dev ? pci_domain_nr(g.dma_dev->bus) : 0;
+	arg.dma_bdf = g.dma_dev ? PCI_DEVID(g.dma_dev->bus->number,
+					   g.dma_dev->devfn) :
+				  FGDS_CHECK_NO_DEV;
+	arg.reserved = 0;
+	ret = copy_to_user(uarg, &arg, sizeof(arg)) ? -EFAULT : 0;
+put_file:
+	fput(file);
+put_buf:
+	fgds_buf_put(buf);
+	return ret;
 }

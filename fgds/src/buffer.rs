@@ -145,6 +145,13 @@ impl Buffer {
         }
     }
 
+    /// Where fgds's own reads of `file` into this buffer (or, `write`, writes from it) would
+    /// go, and why not direct: the driver's gate, asked without moving data
+    /// (`FGDS_IOCTL_CHECK_FILE`).
+    pub fn check_file(&self, file: &File, write: bool) -> Result<crate::gate::Verdict> {
+        crate::gate::check(&self.node, self.idx, file, write)
+    }
+
     /// The node the buffer is registered on (where its io_uring commands go).
     pub(crate) fn node(&self) -> &File {
         &self.node

@@ -511,15 +511,30 @@ impl GpuFile {
             Err(Refusal::During(err)) if fallback && p2p_refused(&err) => {
                 let done = err.bytes_done();
                 let rest = n - done;
+                // The driver's gate says why, where it refused the file (an unprivileged
+                // process cannot read the kernel log's line).
+                let gate = range
+                    .buffer
+                    .check_file(direct, dir == Direction::Write)
+                    .ok()
+                    .filter(|verdict| !verdict.is_direct());
                 self.bounce(dir, mem, file_offset + done, mem_offset + done, rest)
                     .map_err(|e| shifted(e, done, n))?;
+                let reason = match gate {
+                    Some(verdict) => format!(
+                        "fgds does not take this file for GPU {}: {} ({err})",
+                        range.gpu,
+                        verdict.explain()
+                    ),
+                    None => format!(
+                        "the kernel refused P2P DMA between the drive and GPU {} after {done} bytes ({err}): the drive's queues or the PCIe topology do not allow it; fgds doctor FILE says more",
+                        range.gpu
+                    ),
+                };
                 Ok(Completion {
                     bytes: n,
                     path: IoPath::Bounce,
-                    reason: Some(format!(
-                        "the kernel refused P2P DMA between the drive and GPU {} after {done} bytes ({err}): the drive's queues or the PCIe topology do not allow it; fgds doctor says more",
-                        range.gpu
-                    )),
+                    reason: Some(reason),
                     bounced: rest,
                 })
             }

@@ -25,6 +25,7 @@ pub mod cuda;
 mod dmabuf;
 pub mod doctor;
 mod error;
+pub mod gate;
 mod gpu;
 mod gpu_file;
 pub mod memory;

@@ -284,6 +284,15 @@ impl Transfer {
         } else {
             TransferPath::Mapped
         };
+        // Without the commands (Linux 6.1), the gate still says where the mapping would go.
+        if path == TransferPath::Mapped && !mapping_may_take(buffer, file, dir, true) {
+            return Err(Error::Io {
+                op,
+                done: 0,
+                len: total as u64,
+                source: std::io::Error::from_raw_os_error(libc::EREMOTEIO),
+            });
+        }
         let job = Job {
             dir,
             buffer: Some(buffer),
@@ -301,13 +310,17 @@ impl Transfer {
             op,
             total,
         ) {
-            // fgds refuses its commands for this file (driver/fgds/gate.c: a queue that may
-            // merge, a device it cannot check) before moving a byte; the mapped address goes
-            // through the kernel's own P2PDMA checks for user pages, which may take it.
+            // fgds refuses its commands for this file (driver/fgds/gate.c) before moving a
+            // byte. Where that is a queue that may merge or a disk it cannot check (md), the
+            // mapped address goes through the kernel's own P2PDMA checks for user pages, which
+            // may take it; where the file cannot be reached by DMA at all, the mapping would
+            // only let the CPU copy (GENERIC pages are RAM to the kernel), which is not this
+            // path: the refusal stands.
             Err(err)
                 if path == TransferPath::Command
                     && err.errno() == libc::EREMOTEIO
-                    && err.bytes_done() == 0 =>
+                    && err.bytes_done() == 0
+                    && mapping_may_take(buffer, file, dir, false) =>
             {
                 let job = Job {
                     path: TransferPath::Mapped,
@@ -323,6 +336,20 @@ impl Transfer {
     /// How the last [`Transfer::run`] moved its data; `None` before the first.
     pub fn last_run_path(&self) -> Option<TransferPath> {
         self.last_path
+    }
+}
+
+/// Whether the mapped path may take `file`: the driver's gate takes it (`direct`: asked
+/// before any command), or refused it only for merges or for a disk without a PCI device, whose
+/// user pages the kernel's own P2PDMA checks judge; or there is no gate to ask.
+fn mapping_may_take(buffer: &Buffer, file: &File, dir: Direction, direct: bool) -> bool {
+    use crate::gate::Gate;
+    match buffer.check_file(file, dir == Direction::Write) {
+        Ok(verdict) => {
+            matches!(verdict.gate, Gate::Merges | Gate::NoPci)
+                || (direct && verdict.gate == Gate::Direct)
+        }
+        Err(_) => true,
     }
 }
 

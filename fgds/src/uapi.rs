@@ -65,3 +65,23 @@ pub const IOCTL_WRITE: Opcode = opcode::write::<Io>(MAGIC, 0x04);
 pub const URING_CMD_READ: Opcode = opcode::write::<Io>(MAGIC, 0x12);
 /// `FGDS_URING_CMD_WRITE`.
 pub const URING_CMD_WRITE: Opcode = opcode::write::<Io>(MAGIC, 0x13);
+
+/// `struct fgds_check_file`: the argument of `FGDS_IOCTL_CHECK_FILE`.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CheckFile {
+    pub idx: u64,
+    pub fd: i32,
+    pub flags: u32,
+    pub path: u32,
+    pub dma_domain: u32,
+    pub dma_bdf: u32,
+    pub reserved: u32,
+}
+
+/// `FGDS_CHECK_WRITE`.
+pub const CHECK_WRITE: u32 = 0x1;
+/// `FGDS_CHECK_NO_DEV`.
+pub const CHECK_NO_DEV: u32 = 0xffff_ffff;
+/// `FGDS_IOCTL_CHECK_FILE`: where fgds's reads and writes of a file would go.
+pub const IOCTL_CHECK_FILE: Opcode = opcode::read_write::<CheckFile>(MAGIC, 0x05);

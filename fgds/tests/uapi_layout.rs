@@ -5,7 +5,7 @@ use std::mem::{offset_of, size_of};
 use std::path::Path;
 use std::process::Command;
 
-use fgds::uapi::{self, Io, RegBuffer, UnregBuffer};
+use fgds::uapi::{self, CheckFile, Io, RegBuffer, UnregBuffer};
 
 const PROBE: &str = r#"
 #include <stdio.h>
@@ -35,6 +35,18 @@ int main(void)
 	printf("io_write %lu\n", (unsigned long)FGDS_IOCTL_WRITE);
 	printf("uring_read %lu\n", (unsigned long)FGDS_URING_CMD_READ);
 	printf("uring_write %lu\n", (unsigned long)FGDS_URING_CMD_WRITE);
+	printf("check_size %zu\n", sizeof(struct fgds_check_file));
+	printf("check_idx %zu\n", offsetof(struct fgds_check_file, idx));
+	printf("check_fd %zu\n", offsetof(struct fgds_check_file, fd));
+	printf("check_flags %zu\n", offsetof(struct fgds_check_file, flags));
+	printf("check_path %zu\n", offsetof(struct fgds_check_file, path));
+	printf("check_dma_domain %zu\n", offsetof(struct fgds_check_file, dma_domain));
+	printf("check_dma_bdf %zu\n", offsetof(struct fgds_check_file, dma_bdf));
+	printf("check_write %u\n", FGDS_CHECK_WRITE);
+	printf("check_no_dev %u\n", FGDS_CHECK_NO_DEV);
+	printf("check_ioctl %lu\n", (unsigned long)FGDS_IOCTL_CHECK_FILE);
+	printf("path_direct %d\n", FGDS_PATH_DIRECT);
+	printf("path_not_o_direct %d\n", FGDS_PATH_NOT_O_DIRECT);
 	return 0;
 }
 "#;
@@ -97,6 +109,18 @@ fn rust_mirror_matches_the_c_header() {
         ("io_write", uapi::IOCTL_WRITE as u64),
         ("uring_read", uapi::URING_CMD_READ as u64),
         ("uring_write", uapi::URING_CMD_WRITE as u64),
+        ("check_size", size_of::<CheckFile>() as u64),
+        ("check_idx", offset_of!(CheckFile, idx) as u64),
+        ("check_fd", offset_of!(CheckFile, fd) as u64),
+        ("check_flags", offset_of!(CheckFile, flags) as u64),
+        ("check_path", offset_of!(CheckFile, path) as u64),
+        ("check_dma_domain", offset_of!(CheckFile, dma_domain) as u64),
+        ("check_dma_bdf", offset_of!(CheckFile, dma_bdf) as u64),
+        ("check_write", u64::from(uapi::CHECK_WRITE)),
+        ("check_no_dev", u64::from(uapi::CHECK_NO_DEV)),
+        ("check_ioctl", uapi::IOCTL_CHECK_FILE as u64),
+        ("path_direct", 0),
+        ("path_not_o_direct", 9),
     ];
     let c = c_values();
     assert_eq!(c.len(), rust.len(), "the probe printed {c:?}");

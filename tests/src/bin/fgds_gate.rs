@@ -64,6 +64,10 @@ fn main() {
             run: dm_crypt_refused,
         },
         Case {
+            name: "check_file_names_the_path",
+            run: check_file_names_the_path,
+        },
+        Case {
             name: "revocation_not_held_by_a_full_pipe",
             run: revocation_not_held_by_a_full_pipe,
         },
@@ -134,12 +138,18 @@ fn command_io(
 }
 
 /// fgds's four ways (ioctl and command, read and write) with `fd` at `file_offset`: each must
-/// fail with EREMOTEIO, and GPU memory must still hold its sentinel. `what` names the file.
-fn require_refused(reg: &Reg, fd: i32, what: &str) -> anyhow::Result<()> {
+/// fail with EREMOTEIO, `FGDS_IOCTL_CHECK_FILE` must give `want` (`enum fgds_path`) as the
+/// reason, and GPU memory must still hold its sentinel. `what` names the file.
+fn require_refused(reg: &Reg, fd: i32, what: &str, want: u32) -> anyhow::Result<()> {
     const LEN: u64 = 64 * 1024;
     let mark = fgds_tests::guest::kernel_log_mark()?;
     for write in [false, true] {
         let dir = if write { "WRITE" } else { "READ" };
+        let (path, _) = check_file(reg, fd, write)?;
+        ensure!(
+            path == want,
+            "FGDS_IOCTL_CHECK_FILE ({dir}) says {path} for {what}, want {want}"
+        );
         let arg = io_arg(reg.idx, LEN, fd, 0);
         match ioctl_io(&reg.node, write, &arg) {
             Err(e) if e == libc::EREMOTEIO => {}
@@ -178,8 +188,18 @@ fn pipe_and_socket_refused() -> CaseResult {
     fault::require_idle()?;
     let reg = registration(MIB)?;
     let (r, w) = pipe(libc::O_DIRECT | libc::O_NONBLOCK)?;
-    require_refused(&reg, r.as_raw_fd(), "the read end of an O_DIRECT pipe")?;
-    require_refused(&reg, w.as_raw_fd(), "the write end of an O_DIRECT pipe")?;
+    require_refused(
+        &reg,
+        r.as_raw_fd(),
+        "the read end of an O_DIRECT pipe",
+        PATH_FILE_TYPE,
+    )?;
+    require_refused(
+        &reg,
+        w.as_raw_fd(),
+        "the write end of an O_DIRECT pipe",
+        PATH_FILE_TYPE,
+    )?;
     let mut fds = [0; 2];
     // SAFETY: socketpair writes two descriptors into the array, which we then own.
     if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, fds.as_mut_ptr()) } != 0 {
@@ -193,7 +213,7 @@ fn pipe_and_socket_refused() -> CaseResult {
     } else {
         // SAFETY: both are fresh descriptors of ours.
         let (a, _b) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        require_refused(&reg, a.as_raw_fd(), "a Unix socket")?;
+        require_refused(&reg, a.as_raw_fd(), "a Unix socket", PATH_FILE_TYPE)?;
     }
     drop(reg);
     fault::wait_counters_zero("after the case")?;
@@ -248,7 +268,7 @@ fn tmpfs_file_refused() -> CaseResult {
     let path = tmpfs_file("tmpfs.bin", 4 * MIB)?;
     let file = open_rw(&path)?;
     let reg = registration(MIB)?;
-    require_refused(&reg, file.as_raw_fd(), "a file on tmpfs")?;
+    require_refused(&reg, file.as_raw_fd(), "a file on tmpfs", PATH_FS)?;
     drop((reg, file));
     std::fs::remove_file(path)?;
     fault::wait_counters_zero("after the case")?;
@@ -261,7 +281,7 @@ fn loop_device_refused() -> CaseResult {
     let dev = LoopDevice::new(&backing)?;
     let file = open_rw(&dev.path)?;
     let reg = registration(MIB)?;
-    require_refused(&reg, file.as_raw_fd(), "a loop device")?;
+    require_refused(&reg, file.as_raw_fd(), "a loop device", PATH_QUEUE)?;
     drop((reg, file, dev));
     std::fs::remove_file(backing)?;
     fault::wait_counters_zero("after the case")?;
@@ -304,6 +324,7 @@ fn ram_disk_refused(what: &str, option: &str, dev: fn() -> anyhow::Result<PathBu
         &reg,
         file.as_raw_fd(),
         &format!("{what} ({})", path.display()),
+        PATH_QUEUE,
     )?;
     drop((reg, file));
     fault::wait_counters_zero("after the case")?;
@@ -391,8 +412,185 @@ fn dm_crypt_refused() -> CaseResult {
     let dm = Dm::crypt("fgds-gate-crypt", &under.path, 8 * MIB / 512)?;
     let file = open_rw(&fgds_tests::guest::wait_for_node(&dm.path).map(|_| dm.path.clone())?)?;
     let reg = registration(MIB)?;
-    require_refused(&reg, file.as_raw_fd(), "a dm-crypt target")?;
-    drop((reg, file, dm, under));
+    require_refused(&reg, file.as_raw_fd(), "a dm-crypt target", PATH_QUEUE)?;
+    drop((reg, file));
+    crate_bounces_saying_why(&dm.path, "dm-crypt")?;
+    drop((dm, under));
+    std::fs::remove_file(backing)?;
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// `FGDS_PATH_*` of the UAPI (`enum fgds_path`).
+const PATH_DIRECT: u32 = 0;
+const PATH_FILE_TYPE: u32 = 1;
+const PATH_FS: u32 = 3;
+const PATH_QUEUE: u32 = 5;
+const PATH_MERGES: u32 = 8;
+const PATH_NOT_O_DIRECT: u32 = 9;
+
+/// `FGDS_IOCTL_CHECK_FILE` of `fd` for the registration: the path, and the device doing the
+/// DMA (`DDDD:BB:DD.F`) where the driver found one.
+fn check_file(reg: &Reg, fd: i32, write: bool) -> anyhow::Result<(u32, Option<String>)> {
+    let mut arg = uapi::CheckFile {
+        idx: reg.idx,
+        fd,
+        flags: if write { uapi::CHECK_WRITE } else { 0 },
+        ..uapi::CheckFile::default()
+    };
+    // SAFETY: `CheckFile` is `struct fgds_check_file`, read and written in place.
+    if unsafe {
+        libc::ioctl(
+            reg.node.as_raw_fd(),
+            uapi::IOCTL_CHECK_FILE as _,
+            &mut arg as *mut uapi::CheckFile,
+        )
+    } != 0
+    {
+        bail!("FGDS_IOCTL_CHECK_FILE: {}", std::io::Error::last_os_error());
+    }
+    let dev = (arg.dma_bdf != uapi::CHECK_NO_DEV).then(|| {
+        format!(
+            "{:04x}:{:02x}:{:02x}.{}",
+            arg.dma_domain,
+            arg.dma_bdf >> 8,
+            (arg.dma_bdf >> 3) & 0x1f,
+            arg.dma_bdf & 7
+        )
+    });
+    Ok((arg.path, dev))
+}
+
+/// The crate's [`fgds::GpuFile`] reads `path` (4 MiB of a pattern written through RAM first)
+/// into vgpu memory: through RAM, labelled so, with the driver's reason (the queue takes no
+/// P2PDMA pages), and the bytes arrive.
+fn crate_bounces_saying_why(path: &Path, what: &str) -> anyhow::Result<()> {
+    const LEN: u64 = 4 * MIB;
+    const SEED: u64 = 0x4741_5442;
+    let mut data = AlignedBuf::new(LEN as usize)?;
+    pattern::fill(SEED, 0, data.as_mut_slice());
+    OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .and_then(|f| f.write_all_at(data.as_slice(), 0))
+        .with_context(|| format!("writing the pattern to {} through RAM", path.display()))?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    let registry = fgds::Registry::new();
+    let mem = registry.dmabuf_memory(dmabuf.as_fd(), 0, LEN, None)?;
+    let file = fgds::GpuFile::open(path, "r")?;
+    let done = file.read(&mem, LEN, 0, 0, &fgds::Options::DEFAULT)?;
+    ktap::diag(format_args!("the crate's read of {what}: {done:?}"));
+    let reason = done.reason.clone().unwrap_or_default();
+    ensure!(
+        done.path == fgds::IoPath::Bounce
+            && done.bounced == LEN
+            && reason.contains("takes no P2PDMA pages"),
+        "the crate's read of {what} went {done:?}: want all of it through RAM, labelled bounce, \
+         with the driver's reason (its queue takes no P2PDMA pages)"
+    );
+    ctl::gpu_check(bar_off, LEN, SEED).with_context(|| format!("GPU memory after reading {what}"))
+}
+
+/// The driver's gate on the files fgds takes: the raw namespace and a file on ext4 are direct,
+/// with the drive's controller as the DMA device; the namespace open without O_DIRECT says so;
+/// with P2PDMA pages, a queue that may merge says so; and `fgds doctor FILE` prints the same.
+fn check_file_names_the_path() -> CaseResult {
+    fault::require_idle()?;
+    let reg = registration(MIB)?;
+    let nvme_path = fgds_tests::guest::nvme_path()?;
+    let controller = std::fs::canonicalize(format!(
+        "/sys/block/{}/device/device",
+        nvme_path
+            .file_name()
+            .context("the drive's node has no name")?
+            .to_string_lossy()
+    ))?;
+    let controller = controller
+        .file_name()
+        .context("the controller's sysfs path")?
+        .to_string_lossy()
+        .into_owned();
+    let nvme = fgds::open_direct(&nvme_path, true)?;
+    let ext4 = std::path::Path::new(
+        &std::env::var_os("FGDS_EXT4").context("the rig provides no ext4 (FGDS_EXT4)")?,
+    )
+    .join("fgds_gate.bin");
+    File::create(&ext4)?.set_len(MIB)?;
+    let ext4_file = fgds::open_direct(&ext4, true)?;
+    let ext4_controller = {
+        let (_, dev) = check_file(&reg, ext4_file.as_raw_fd(), false)?;
+        dev
+    };
+    for write in [false, true] {
+        let got = check_file(&reg, nvme.as_raw_fd(), write)?;
+        ensure!(
+            got == (PATH_DIRECT, Some(controller.clone())),
+            "the raw namespace ({}) gives {got:?}, want direct through {controller}",
+            if write { "write" } else { "read" }
+        );
+        let got = check_file(&reg, ext4_file.as_raw_fd(), write)?;
+        ensure!(
+            got.0 == PATH_DIRECT && got.1.is_some(),
+            "a file on ext4 gives {got:?}, want direct through the ext4 namespace's controller"
+        );
+    }
+    let buffered = File::open(&nvme_path)?;
+    let got = check_file(&reg, buffered.as_raw_fd(), false)?;
+    ensure!(
+        got.0 == PATH_NOT_O_DIRECT,
+        "the namespace without O_DIRECT gives {got:?}, want {PATH_NOT_O_DIRECT} (not O_DIRECT)"
+    );
+    if fgds_tests::guest::expected_mode()? != "generic" {
+        let nomerges = nomerges_path()?;
+        let before = std::fs::read_to_string(&nomerges)?;
+        std::fs::write(&nomerges, "0")?;
+        let got = check_file(&reg, nvme.as_raw_fd(), false);
+        std::fs::write(&nomerges, before.trim())?;
+        ensure!(
+            got?.0 == PATH_MERGES,
+            "a merging queue with P2PDMA pages is not reported as such"
+        );
+    }
+    // The CLI prints the driver's answer.
+    let vgpu = common::vgpu_name()?;
+    let vgpu = vgpu.trim_start_matches("vgpu");
+    let doctor = |file: &Path| -> anyhow::Result<serde_json::Value> {
+        let out = std::process::Command::new("/bin/fgds")
+            .args(["doctor", "--json", "--vgpu", vgpu])
+            .arg(file)
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "fgds doctor {}: {}",
+            file.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(serde_json::from_slice(&out.stdout)?)
+    };
+    let said = doctor(&nvme_path)?;
+    ktap::diag(format_args!("fgds doctor {}: {said}", nvme_path.display()));
+    ensure!(
+        said["path"] == "direct" && said["dma_device"] == controller.as_str(),
+        "fgds doctor says {said} for the raw namespace"
+    );
+    let said = doctor(&ext4)?;
+    ensure!(
+        said["path"] == "direct" && said["dma_device"] == ext4_controller.as_deref().unwrap_or(""),
+        "fgds doctor says {said} for a file on ext4"
+    );
+    let backing = tmpfs_file("doctor.bin", 8 * MIB)?;
+    let dev = LoopDevice::new(&backing)?;
+    let said = doctor(&dev.path)?;
+    ktap::diag(format_args!("fgds doctor {}: {said}", dev.path.display()));
+    ensure!(
+        said["path"] == "bounce" && said["gate"] == "queue",
+        "fgds doctor says {said} for a loop device"
+    );
+    drop((reg, nvme, ext4_file, buffered, dev));
+    std::fs::remove_file(&ext4)?;
     std::fs::remove_file(backing)?;
     fault::wait_counters_zero("after the case")?;
     ktap::pass()

@@ -190,6 +190,82 @@ struct fgds_io {
 #define FGDS_URING_CMD_READ	_IOW(FGDS_IOCTL_MAGIC, 0x12, struct fgds_io)
 #define FGDS_URING_CMD_WRITE	_IOW(FGDS_IOCTL_MAGIC, 0x13, struct fgds_io)
 
+/**
+ * enum fgds_path - where FGDS_IOCTL_CHECK_FILE finds a file's I/O would go
+ * @FGDS_PATH_DIRECT: fgds's reads and writes take the file: peer-to-peer
+ *	DMA between its drive and the GPU
+ * @FGDS_PATH_FILE_TYPE: neither a block device nor a regular file (a pipe,
+ *	a socket, a character device, ...)
+ * @FGDS_PATH_NO_OFFSET: the file cannot be read (or written) at an offset
+ * @FGDS_PATH_FS: a file of a file system whose direct I/O is not the block
+ *	layer's DMA to its own device (tmpfs, btrfs, NFS, FUSE, ...)
+ * @FGDS_PATH_CPU_COPY: a DAX, encrypted or verity file: the CPU copies its
+ *	data
+ * @FGDS_PATH_QUEUE: the block device's queue takes no P2PDMA pages (loop,
+ *	brd, zram, dm, NVMe over TCP or RDMA, ...)
+ * @FGDS_PATH_NO_PCI: the disk hangs from no PCI device, which fgds could
+ *	check (md, NVMe multipath heads)
+ * @FGDS_PATH_NO_P2P: the PCI device doing the disk's DMA cannot reach the
+ *	GPU's memory
+ * @FGDS_PATH_MERGES: the GPU's pages are P2PDMA pages and the queue may
+ *	merge requests: set its nomerges to 2
+ * @FGDS_PATH_NOT_O_DIRECT: fgds would take the file, but it is not open
+ *	with O_DIRECT
+ *
+ * Every value but FGDS_PATH_DIRECT is a reason FGDS_IOCTL_READ/WRITE and
+ * FGDS_URING_CMD_READ/WRITE refuse the file (EREMOTEIO; EINVAL for the last).
+ */
+enum fgds_path {
+	FGDS_PATH_DIRECT = 0,
+	FGDS_PATH_FILE_TYPE = 1,
+	FGDS_PATH_NO_OFFSET = 2,
+	FGDS_PATH_FS = 3,
+	FGDS_PATH_CPU_COPY = 4,
+	FGDS_PATH_QUEUE = 5,
+	FGDS_PATH_NO_PCI = 6,
+	FGDS_PATH_NO_P2P = 7,
+	FGDS_PATH_MERGES = 8,
+	FGDS_PATH_NOT_O_DIRECT = 9,
+};
+
+/* struct fgds_check_file @flags: the registration would be written to the file. */
+#define FGDS_CHECK_WRITE	0x1U
+/* struct fgds_check_file @dma_bdf when fgds found no device doing the DMA. */
+#define FGDS_CHECK_NO_DEV	0xffffffffU
+
+/**
+ * struct fgds_check_file - the argument of FGDS_IOCTL_CHECK_FILE
+ * @idx: in: a token of the open file the call is made on
+ * @fd: in: the file
+ * @flags: in: 0 (read into the registration) or FGDS_CHECK_WRITE
+ * @path: out: enum fgds_path
+ * @dma_domain: out: the PCI domain of the device that does, or would do,
+ *	the file's DMA
+ * @dma_bdf: out: its bus << 8 | devfn, FGDS_CHECK_NO_DEV where fgds found
+ *	none (the file has no disk, or the disk no PCI device)
+ * @reserved: out: 0
+ *
+ * Tells, without moving data and without a log line, whether
+ * FGDS_IOCTL_READ/WRITE of @idx with @fd would take the file, and if not
+ * why: what `fgds doctor FILE` and the user-space libraries report when
+ * they fall back to RAM. The answer is the one fgds's reads and writes get
+ * at the time of the call.
+ *
+ * Errors: EINVAL: unknown @flags; ENOENT: no registration @idx; EBADF: @fd
+ * is not an open file; ENODEV: the registration was revoked.
+ */
+struct fgds_check_file {
+	__u64 idx;
+	__s32 fd;
+	__u32 flags;
+	__u32 path;
+	__u32 dma_domain;
+	__u32 dma_bdf;
+	__u32 reserved;
+};
+
+#define FGDS_IOCTL_CHECK_FILE	_IOWR(FGDS_IOCTL_MAGIC, 0x05, struct fgds_check_file)
+
 /*
  * mmap(2) of a token: offset = idx, length = the registered size exactly,
  * MAP_SHARED only, PROT_READ and/or PROT_WRITE. The CPU mapping is

@@ -37,11 +37,20 @@ enum Command {
     /// Measure throughput, latency and CPU time of direct, bounce, ram and p2pmem I/O.
     Bench(bench::Options),
     /// Which path a read into GPU memory would take on this machine, and why not the direct
-    /// one: module, nodes, page mode, IOMMU, P2PDMA, drives, CUDA, the fgds group.
+    /// one: module, nodes, page mode, IOMMU, P2PDMA, drives, CUDA, the fgds group. With FILE:
+    /// which path a read of that file into the GPU's memory (or a write of it, --write) takes,
+    /// as fgds's driver answers without moving data.
     Doctor {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// The file (or block device) to ask about.
+        file: Option<std::path::PathBuf>,
+        /// Ask about writing GPU memory to FILE (opened for writing, never changed).
+        #[arg(long, requires = "file")]
+        write: bool,
+        #[command(flatten)]
+        source: Source,
     },
 }
 
@@ -70,7 +79,13 @@ fn main() -> ExitCode {
         Command::List { json } => list(json),
         Command::Cp(c) => cp::run(&c),
         Command::Bench(opts) => bench::run(&opts),
-        Command::Doctor { json } => doctor(json),
+        Command::Doctor {
+            json,
+            file: Some(file),
+            write,
+            source,
+        } => doctor_file(&file, write, &source, json),
+        Command::Doctor { json, .. } => doctor(json),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,
@@ -131,6 +146,66 @@ fn doctor(json: bool) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report.json())?);
     } else {
         print!("{}", report.text());
+    }
+    Ok(())
+}
+
+/// How much GPU memory `fgds doctor FILE` registers to ask with.
+const DOCTOR_BYTES: u64 = 2 << 20;
+
+/// `fgds doctor FILE`: the driver's gate on FILE for one registration of the GPU's memory.
+fn doctor_file(
+    path: &std::path::Path,
+    write: bool,
+    source: &Source,
+    json: bool,
+) -> anyhow::Result<()> {
+    let (gpu, dmabuf) = resolve(source, DOCTOR_BYTES)?;
+    let buffer = gpu.register(dmabuf.fd(), 0, DOCTOR_BYTES)?;
+    let bdf = &gpu.info().bdf;
+    let what = if write { "a write of" } else { "a read into" };
+    match fgds::open_direct(path, write) {
+        Ok(file) => {
+            let verdict = buffer.check_file(&file, write)?;
+            report_path(path, what, bdf, Some(&verdict), &verdict.explain(), json)
+        }
+        Err(err) => {
+            let reason = format!(
+                "it cannot be opened with O_DIRECT ({err}): its file system takes no direct I/O"
+            );
+            report_path(path, what, bdf, None, &reason, json)
+        }
+    }
+}
+
+fn report_path(
+    path: &std::path::Path,
+    what: &str,
+    gpu: &str,
+    verdict: Option<&fgds::gate::Verdict>,
+    reason: &str,
+    json: bool,
+) -> anyhow::Result<()> {
+    let direct = verdict.is_some_and(fgds::gate::Verdict::is_direct);
+    let route = if direct { "direct" } else { "bounce" };
+    if json {
+        let value = serde_json::json!({
+            "file": path, "gpu": gpu, "write": what.starts_with("a write"), "path": route,
+            "gate": verdict.map(|v| v.gate.name()),
+            "dma_device": verdict.and_then(|v| v.dma_dev.clone()),
+            "reason": reason,
+        });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else if direct {
+        println!(
+            "{}: {what} GPU {gpu} memory goes direct: {reason}",
+            path.display()
+        );
+    } else {
+        println!(
+            "{}: {what} GPU {gpu} memory goes through RAM (bounce): {reason}",
+            path.display()
+        );
     }
     Ok(())
 }

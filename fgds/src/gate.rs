@@ -1,0 +1,178 @@
+//! Where fgds's own reads and writes of a file would go, as the driver's gate answers
+//! (`FGDS_IOCTL_CHECK_FILE`, driver/fgds/gate.c): what `fgds doctor FILE` prints, and what
+//! [`crate::GpuFile`] names when it falls back to RAM. The driver logs its refusals, but an
+//! unprivileged process cannot read the kernel log: this is how it learns why.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+
+use crate::error::{Error, Result};
+use crate::uapi;
+
+/// The driver's verdict on a file (`enum fgds_path`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    /// fgds takes the file: peer-to-peer DMA between its drive and the GPU.
+    Direct,
+    /// Neither a block device nor a regular file (a pipe, a socket, ...).
+    FileType,
+    /// The file cannot be read or written at an offset.
+    NoOffset,
+    /// Its file system's direct I/O is not the block layer's DMA (tmpfs, btrfs, NFS, FUSE).
+    FileSystem,
+    /// A DAX, encrypted or verity file: the CPU copies its data.
+    CpuCopy,
+    /// Its block device's queue takes no P2PDMA pages (loop, dm, NVMe over TCP, ...).
+    Queue,
+    /// Its disk hangs from no PCI device (md, NVMe multipath heads).
+    NoPci,
+    /// The PCI device doing its DMA cannot reach the GPU.
+    NoP2p,
+    /// P2PDMA pages, and the drive's queue may merge requests.
+    Merges,
+    /// fgds would take it, but it is not open with O_DIRECT.
+    NotODirect,
+    /// A value this crate does not know (a newer driver).
+    Unknown(u32),
+}
+
+impl Gate {
+    fn from_raw(raw: u32) -> Gate {
+        match raw {
+            0 => Gate::Direct,
+            1 => Gate::FileType,
+            2 => Gate::NoOffset,
+            3 => Gate::FileSystem,
+            4 => Gate::CpuCopy,
+            5 => Gate::Queue,
+            6 => Gate::NoPci,
+            7 => Gate::NoP2p,
+            8 => Gate::Merges,
+            9 => Gate::NotODirect,
+            other => Gate::Unknown(other),
+        }
+    }
+
+    /// The name `fgds doctor --json` prints.
+    pub fn name(self) -> &'static str {
+        match self {
+            Gate::Direct => "direct",
+            Gate::FileType => "file-type",
+            Gate::NoOffset => "no-offset",
+            Gate::FileSystem => "file-system",
+            Gate::CpuCopy => "cpu-copy",
+            Gate::Queue => "queue",
+            Gate::NoPci => "no-pci-device",
+            Gate::NoP2p => "no-p2p-path",
+            Gate::Merges => "merges",
+            Gate::NotODirect => "not-o-direct",
+            Gate::Unknown(_) => "unknown",
+        }
+    }
+}
+
+/// The driver's answer for one file and one registration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    pub gate: Gate,
+    /// The PCI device that does (or would do) the file's DMA, `DDDD:BB:DD.F`, where the
+    /// driver found one.
+    pub dma_dev: Option<String>,
+}
+
+impl Verdict {
+    pub fn is_direct(&self) -> bool {
+        self.gate == Gate::Direct
+    }
+
+    /// What the verdict means, and what to do where it is not direct: one sentence.
+    pub fn explain(&self) -> String {
+        let dev = self.dma_dev.as_deref().unwrap_or("?");
+        match self.gate {
+            Gate::Direct => format!(
+                "fgds moves the data by peer-to-peer DMA between the drive's controller {dev} \
+                 and the GPU"
+            ),
+            Gate::FileType => "neither a block device nor a regular file: fgds takes block \
+                               devices and files on ext4 or xfs"
+                .to_owned(),
+            Gate::NoOffset => "the file cannot be read or written at an offset".to_owned(),
+            Gate::FileSystem => "its file system's direct I/O is not the block layer's DMA \
+                                 (fgds takes files on ext4 or xfs; tmpfs, btrfs, NFS and FUSE \
+                                 go through RAM)"
+                .to_owned(),
+            Gate::CpuCopy => {
+                "a DAX, encrypted or verity file: the CPU copies its data, so it goes through RAM"
+                    .to_owned()
+            }
+            Gate::Queue => "its block device's queue takes no P2PDMA pages (loop, brd, zram, dm \
+                            such as dm-crypt, NVMe over TCP or RDMA, md where the kernel's md \
+                            takes none): only NVMe drives on PCIe can DMA to the GPU"
+                .to_owned(),
+            Gate::NoPci => "its disk hangs from no PCI device (md, NVMe multipath), so fgds \
+                            cannot check which device does the DMA: read the members directly"
+                .to_owned(),
+            Gate::NoP2p => format!(
+                "the drive's controller {dev} has no peer-to-peer path to the GPU: put them \
+                 behind one PCIe switch"
+            ),
+            Gate::Merges => format!(
+                "the queue of the drive at {dev} may merge requests, and P2PDMA pages must not \
+                 share one with RAM: echo 2 > /sys/block/<disk>/queue/nomerges"
+            ),
+            Gate::NotODirect => "the file is not open with O_DIRECT".to_owned(),
+            Gate::Unknown(raw) => {
+                format!("the driver answered {raw}, which this fgds crate does not know")
+            }
+        }
+    }
+}
+
+/// Asks the driver where reads into (or, `write`, writes from) the registration `idx` of
+/// `node` and `file` would go.
+pub(crate) fn check(node: &File, idx: u64, file: &File, write: bool) -> Result<Verdict> {
+    let mut arg = uapi::CheckFile {
+        idx,
+        fd: file.as_raw_fd(),
+        flags: if write { uapi::CHECK_WRITE } else { 0 },
+        ..uapi::CheckFile::default()
+    };
+    // SAFETY: `CheckFile` is `struct fgds_check_file`, which the kernel reads and writes in
+    // place; the call returns 0 or -1 with errno.
+    let ret = unsafe {
+        libc::ioctl(
+            node.as_raw_fd(),
+            uapi::IOCTL_CHECK_FILE as _,
+            &mut arg as *mut uapi::CheckFile,
+        )
+    };
+    if ret < 0 {
+        let source = std::io::Error::last_os_error();
+        return Err(match source.raw_os_error() {
+            Some(libc::ENOTTY) => Error::Refused {
+                errno: libc::ENOTTY,
+                reason: "the loaded fgds module has no FGDS_IOCTL_CHECK_FILE: install the \
+                         driver of this release"
+                    .to_owned(),
+            },
+            _ => Error::Io {
+                op: "FGDS_IOCTL_CHECK_FILE",
+                done: 0,
+                len: 0,
+                source,
+            },
+        });
+    }
+    Ok(Verdict {
+        gate: Gate::from_raw(arg.path),
+        dma_dev: (arg.dma_bdf != uapi::CHECK_NO_DEV).then(|| {
+            format!(
+                "{:04x}:{:02x}:{:02x}.{}",
+                arg.dma_domain,
+                arg.dma_bdf >> 8,
+                (arg.dma_bdf >> 3) & 0x1f,
+                arg.dma_bdf & 7
+            )
+        }),
+    })
+}
