@@ -420,6 +420,16 @@ pub const SKIPS: &[Skip] = &[
               files fgds cannot reach on every kernel",
     },
     Skip {
+        cases: &["fgds_gate::nvme_over_tcp_refused"],
+        when: &[When::LacksAny(&[
+            "CONFIG_NVME_TCP",
+            "CONFIG_NVME_TARGET_TCP",
+        ])],
+        reason: "the kernel has no NVMe over TCP",
+        why: "the build: kernels leave the NVMe target and fabrics out; the Debian kernels have \
+              both as modules, and dm_crypt_refused checks the same refusal everywhere",
+    },
+    Skip {
         cases: &["fgds_gate::ram_and_gpu_alternating_in_one_batch"],
         when: &[When::LacksAny(&["CONFIG_TRACING"])],
         reason: "the kernel has no tracefs",

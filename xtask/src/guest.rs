@@ -35,6 +35,14 @@ const OPTIONAL_KERNEL_MODULES: &[(&str, &str)] = &[
 const FS_KERNEL_MODULES: &[(&str, &str)] =
     &[("CONFIG_XFS_FS", "xfs"), ("CONFIG_BTRFS_FS", "btrfs")];
 
+/// NVMe over TCP, target and host, loaded (where the kernel has them as modules) only for runs
+/// with a program that asks for them (`+fabrics`): fgds_gate exports a namespace over the
+/// loopback and connects to it.
+const FABRICS_KERNEL_MODULES: &[(&str, &str)] = &[
+    ("CONFIG_NVME_TARGET_TCP", "nvmet_tcp"),
+    ("CONFIG_NVME_TCP", "nvme_tcp"),
+];
+
 /// One test program of a run, in the order it runs.
 pub struct SuiteEntry {
     pub name: String,
@@ -50,6 +58,9 @@ pub struct SuiteEntry {
     pub fio: bool,
     /// The program uses xfs and btrfs (`+fs`): the guest loads their modules.
     pub fs: bool,
+    /// The program sets up NVMe over TCP in the guest (`+fabrics`): the guest loads the
+    /// kernel's NVMe target and host over TCP.
+    pub fabrics: bool,
 }
 
 impl SuiteEntry {
@@ -137,8 +148,8 @@ pub fn bin_dir() -> PathBuf {
         .join("release")
 }
 
-/// The default suite, from tests/suite.txt (`name timeout-seconds [+fio]` per line, in run
-/// order).
+/// The default suite, from tests/suite.txt (`name timeout-seconds [+fio] [+fs] [+fabrics]` per
+/// line, in run order).
 pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
     let path = crate::project_root().join("tests/suite.txt");
     let text = std::fs::read_to_string(&path)
@@ -156,13 +167,14 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
             .unwrap_or("120")
             .parse()
             .with_context(|| format!("bad timeout in {}: {line:?}", path.display()))?;
-        let (mut fio, mut fs) = (false, false);
+        let (mut fio, mut fs, mut fabrics) = (false, false, false);
         for word in words {
             match word {
                 "+fio" => fio = true,
                 "+fs" => fs = true,
+                "+fabrics" => fabrics = true,
                 _ => bail!(
-                    "{}: {line:?}: unknown {word:?} (+fio and +fs are known)",
+                    "{}: {line:?}: unknown {word:?} (+fio, +fs and +fabrics are known)",
                     path.display()
                 ),
             }
@@ -176,6 +188,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 python: false,
                 fio,
                 fs,
+                fabrics,
             }
         } else if let Some(stem) = name.strip_suffix(".py") {
             SuiteEntry {
@@ -186,6 +199,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 python: true,
                 fio,
                 fs,
+                fabrics,
             }
         } else {
             SuiteEntry {
@@ -196,6 +210,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 python: false,
                 fio,
                 fs,
+                fabrics,
             }
         };
         suite.push(entry);
@@ -217,6 +232,7 @@ pub fn exec_entry(path: &Path, timeout_secs: u64) -> anyhow::Result<SuiteEntry> 
         python: false,
         fio: false,
         fs: false,
+        fabrics: false,
         name: format!("exec:{name}"),
         path: path.to_path_buf(),
         timeout_secs,
@@ -313,7 +329,12 @@ pub fn make_initramfs(
     } else {
         &[]
     };
-    for (config, name) in OPTIONAL_KERNEL_MODULES.iter().chain(fs) {
+    let fabrics = if suite.iter().any(|e| e.fabrics) {
+        FABRICS_KERNEL_MODULES
+    } else {
+        &[]
+    };
+    for (config, name) in OPTIONAL_KERNEL_MODULES.iter().chain(fs).chain(fabrics) {
         if kernel::has_config(kernel, config)? {
             names.push(name);
         }

@@ -288,6 +288,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
                 // A program of the suite keeps what its suite line asks for.
                 fio: suite.iter().any(|e| e.name == *name && e.fio),
                 fs: opts.filesystems || suite.iter().any(|e| e.name == *name && e.fs),
+                fabrics: suite.iter().any(|e| e.name == *name && e.fabrics),
             })
             .collect();
     }

@@ -64,6 +64,10 @@ fn main() {
             run: dm_crypt_refused,
         },
         Case {
+            name: "nvme_over_tcp_refused",
+            run: nvme_over_tcp_refused,
+        },
+        Case {
             name: "check_file_names_the_path",
             run: check_file_names_the_path,
         },
@@ -414,18 +418,22 @@ fn dm_crypt_refused() -> CaseResult {
     let reg = registration(MIB)?;
     require_refused(&reg, file.as_raw_fd(), "a dm-crypt target", PATH_QUEUE)?;
     drop((reg, file));
-    crate_bounces_saying_why(&dm.path, "dm-crypt")?;
+    crate_bounces_saying_why(&dm.path, "dm-crypt", QUEUE_REASON)?;
     drop((dm, under));
     std::fs::remove_file(backing)?;
     fault::wait_counters_zero("after the case")?;
     ktap::pass()
 }
 
+/// How [`fgds::gate::Verdict::explain`] begins for `FGDS_PATH_QUEUE`.
+const QUEUE_REASON: &str = "its block device's queue takes no P2PDMA pages";
+
 /// `FGDS_PATH_*` of the UAPI (`enum fgds_path`).
 const PATH_DIRECT: u32 = 0;
 const PATH_FILE_TYPE: u32 = 1;
 const PATH_FS: u32 = 3;
 const PATH_QUEUE: u32 = 5;
+const PATH_NO_PCI: u32 = 6;
 const PATH_MERGES: u32 = 8;
 const PATH_NOT_O_DIRECT: u32 = 9;
 
@@ -462,9 +470,9 @@ fn check_file(reg: &Reg, fd: i32, write: bool) -> anyhow::Result<(u32, Option<St
 }
 
 /// The crate's [`fgds::GpuFile`] reads `path` (4 MiB of a pattern written through RAM first)
-/// into vgpu memory: through RAM, labelled so, with the driver's reason (the queue takes no
-/// P2PDMA pages), and the bytes arrive.
-fn crate_bounces_saying_why(path: &Path, what: &str) -> anyhow::Result<()> {
+/// into vgpu memory: through RAM, labelled so, with the driver's reason (`why`, the start of
+/// [`fgds::gate::Verdict::explain`]), and the bytes arrive.
+fn crate_bounces_saying_why(path: &Path, what: &str, why: &str) -> anyhow::Result<()> {
     const LEN: u64 = 4 * MIB;
     const SEED: u64 = 0x4741_5442;
     let mut data = AlignedBuf::new(LEN as usize)?;
@@ -485,13 +493,186 @@ fn crate_bounces_saying_why(path: &Path, what: &str) -> anyhow::Result<()> {
     ktap::diag(format_args!("the crate's read of {what}: {done:?}"));
     let reason = done.reason.clone().unwrap_or_default();
     ensure!(
-        done.path == fgds::IoPath::Bounce
-            && done.bounced == LEN
-            && reason.contains("takes no P2PDMA pages"),
+        done.path == fgds::IoPath::Bounce && done.bounced == LEN && reason.contains(why),
         "the crate's read of {what} went {done:?}: want all of it through RAM, labelled bounce, \
-         with the driver's reason (its queue takes no P2PDMA pages)"
+         with the driver's reason ({why:?})"
     );
     ctl::gpu_check(bar_off, LEN, SEED).with_context(|| format!("GPU memory after reading {what}"))
+}
+
+/// The NQN of the subsystem [`nvme_over_tcp_refused`] exports.
+const TCP_NQN: &str = "nqn.2026-12.io.fgds:gate";
+const NVMET: &str = "/sys/kernel/config/nvmet";
+
+/// The kernel's NVMe target exporting a file over TCP on the loopback, and the kernel's NVMe
+/// host connected to it; both undone when dropped.
+struct NvmeTcp {
+    /// The host's controller, `nvmeN`.
+    controller: Option<String>,
+    /// The namespace's block device.
+    path: PathBuf,
+}
+
+impl NvmeTcp {
+    fn new(backing: &Path) -> anyhow::Result<NvmeTcp> {
+        loopback_up()?;
+        let config = Path::new("/sys/kernel/config");
+        if !config.join("nvmet").exists() {
+            rustix::mount::mount(
+                "configfs",
+                config,
+                "configfs",
+                rustix::mount::MountFlags::empty(),
+                None,
+            )
+            .context("mount configfs on /sys/kernel/config")?;
+        }
+        let mut tcp = NvmeTcp {
+            controller: None,
+            path: PathBuf::new(),
+        };
+        let subsys = Path::new(NVMET).join("subsystems").join(TCP_NQN);
+        let ns = subsys.join("namespaces/1");
+        let port = Path::new(NVMET).join("ports/1");
+        let put = |path: PathBuf, value: &str| {
+            std::fs::write(&path, value)
+                .with_context(|| format!("write {value:?} to {}", path.display()))
+        };
+        std::fs::create_dir(&subsys).context("create the nvmet subsystem")?;
+        put(subsys.join("attr_allow_any_host"), "1")?;
+        std::fs::create_dir(&ns)?;
+        put(ns.join("device_path"), &backing.to_string_lossy())?;
+        put(ns.join("buffered_io"), "1")?;
+        put(ns.join("enable"), "1")?;
+        std::fs::create_dir(&port)?;
+        put(port.join("addr_trtype"), "tcp")?;
+        put(port.join("addr_adrfam"), "ipv4")?;
+        put(port.join("addr_traddr"), "127.0.0.1")?;
+        put(port.join("addr_trsvcid"), "4420")?;
+        std::os::unix::fs::symlink(&subsys, port.join("subsystems").join(TCP_NQN))
+            .context("link the subsystem to the port")?;
+        let mut fabrics = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/nvme-fabrics")
+            .context("open /dev/nvme-fabrics")?;
+        fabrics
+            .write_all(
+                format!("transport=tcp,traddr=127.0.0.1,trsvcid=4420,nqn={TCP_NQN}").as_bytes(),
+            )
+            .context("connect to the target over TCP")?;
+        let mut answer = String::new();
+        std::io::Read::read_to_string(&mut fabrics, &mut answer)?;
+        let instance = answer
+            .split(',')
+            .find_map(|kv| kv.trim().strip_prefix("instance="))
+            .with_context(|| format!("/dev/nvme-fabrics answered {answer:?}"))?;
+        tcp.controller = Some(format!("nvme{instance}"));
+        let mut found = None;
+        fault::wait_until("the namespace over TCP", Duration::from_secs(20), || {
+            found = tcp_namespace()?;
+            Ok(found.is_some())
+        })?;
+        tcp.path = found.context("the namespace over TCP")?;
+        fgds_tests::guest::wait_for_node(&tcp.path)?;
+        Ok(tcp)
+    }
+}
+
+/// The block device of the namespace of [`TCP_NQN`], once there: a disk (not hidden) whose
+/// device (the controller, or with native multipath the subsystem) has that NQN.
+fn tcp_namespace() -> anyhow::Result<Option<PathBuf>> {
+    for entry in std::fs::read_dir("/sys/block")? {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        // A multipath head's paths (nvmeXcYnZ) are hidden disks without a node.
+        let hidden = std::fs::read_to_string(format!("/sys/block/{name}/hidden"))
+            .is_ok_and(|h| h.trim() == "1");
+        if hidden {
+            continue;
+        }
+        let nqn = std::fs::read_to_string(format!("/sys/block/{name}/device/subsysnqn"))
+            .unwrap_or_default();
+        if nqn.trim() == TCP_NQN {
+            return Ok(Some(PathBuf::from(format!("/dev/{name}"))));
+        }
+    }
+    Ok(None)
+}
+
+impl Drop for NvmeTcp {
+    fn drop(&mut self) {
+        if let Some(ctrl) = &self.controller {
+            let _ = std::fs::write(format!("/sys/class/nvme/{ctrl}/delete_controller"), "1");
+        }
+        let subsys = Path::new(NVMET).join("subsystems").join(TCP_NQN);
+        let port = Path::new(NVMET).join("ports/1");
+        let _ = std::fs::remove_file(port.join("subsystems").join(TCP_NQN));
+        let _ = std::fs::remove_dir(&port);
+        let _ = std::fs::write(subsys.join("namespaces/1/enable"), "0");
+        let _ = std::fs::remove_dir(subsys.join("namespaces/1"));
+        let _ = std::fs::remove_dir(&subsys);
+    }
+}
+
+/// Brings the loopback interface up (no init script does here).
+fn loopback_up() -> anyhow::Result<()> {
+    // SAFETY: a datagram socket of our own, closed below.
+    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0) };
+    ensure!(sock >= 0, "socket: {}", std::io::Error::last_os_error());
+    // SAFETY: `sock` is a fresh descriptor of ours.
+    let sock = unsafe { OwnedFd::from_raw_fd(sock) };
+    // SAFETY: an all-zero `ifreq` is valid; the name and flags are set below.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    req.ifr_ifru.ifru_flags = (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+    // SAFETY: SIOCSIFFLAGS reads the `ifreq` we own.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } != 0 {
+        bail!("bring lo up: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A namespace of the kernel's own NVMe target, over TCP on the loopback, through the
+/// kernel's NVMe host: its queue takes no P2PDMA pages (the TCP transport copies with the CPU),
+/// so fgds refuses it four ways with EREMOTEIO and says why; the crate reads it through RAM,
+/// labelled so, with that reason; and `fgds doctor` names the bounce path.
+fn nvme_over_tcp_refused() -> CaseResult {
+    if !Path::new("/sys/module/nvmet_tcp").exists() || !Path::new("/sys/module/nvme_tcp").exists() {
+        return ktap::skip(
+            "the kernel has no NVMe over TCP as modules (CONFIG_NVME_TARGET_TCP, CONFIG_NVME_TCP)",
+        );
+    }
+    fault::require_idle()?;
+    let backing = tmpfs_file("tcp.bin", 16 * MIB)?;
+    let tcp = NvmeTcp::new(&backing)?;
+    ktap::diag(format_args!(
+        "{} is the namespace over TCP ({})",
+        tcp.path.display(),
+        tcp.controller.as_deref().unwrap_or("?")
+    ));
+    let file = open_rw(&tcp.path)?;
+    let reg = registration(MIB)?;
+    let (path, _) = check_file(&reg, file.as_raw_fd(), false)?;
+    // A multipath head stacks the path's limits (no P2PDMA pages), or, if it kept them, has no
+    // PCI device: refused either way.
+    ensure!(
+        path == PATH_QUEUE || path == PATH_NO_PCI,
+        "FGDS_IOCTL_CHECK_FILE says {path} for the namespace over TCP"
+    );
+    require_refused(&reg, file.as_raw_fd(), "a namespace over NVMe/TCP", path)?;
+    drop((reg, file));
+    let why = if path == PATH_QUEUE {
+        QUEUE_REASON
+    } else {
+        "hangs from no PCI device"
+    };
+    crate_bounces_saying_why(&tcp.path, "a namespace over NVMe/TCP", why)?;
+    drop(tcp);
+    std::fs::remove_file(backing)?;
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
 }
 
 /// The driver's gate on the files fgds takes: the raw namespace and a file on ext4 are direct,
