@@ -12,6 +12,7 @@ import errno
 import json
 import gc
 import os
+import re
 import struct
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -336,6 +337,28 @@ def fallback_system_ram_dmabuf() -> None:
     os.close(memfd)
 
 
+def fallback_tmpfs_file_says_why() -> None:
+    """A file fgds's driver refuses (tmpfs: its direct I/O is no DMA) goes through RAM, and the
+    reason is the driver's verdict (FGDS_IOCTL_CHECK_FILE), which no kernel log line has to
+    give an unprivileged process."""
+    mem, bar, fd = vgpu(2 * MIB)
+    os.close(fd)
+    path = "/tmp/fgds_python_tmpfs.bin"
+    with open(path, "wb") as out:
+        out.write(rig.drive_bytes(16 * MIB, 2 * MIB))
+    try:
+        with fgds.open(path) as f:
+            done = f.read(mem, 2 * MIB, 0)
+        rig.diag(f"a file on tmpfs: {done!r}")
+        # Before Linux 6.6 tmpfs refuses O_DIRECT itself, and the package says that instead.
+        major, minor = (int(x) for x in re.findall(r"\d+", os.uname().release)[:2])
+        why = "file system's direct I/O" if (major, minor) >= (6, 6) else "O_DIRECT"
+        check_bounce(done, 2 * MIB, why)
+        rig.gpu_check(bar, 2 * MIB, NVME_SEED, 16 * MIB)
+    finally:
+        os.unlink(path)
+
+
 def fallback_off_raises_with_the_reason() -> None:
     mem, _, fd = vgpu(2 * MIB)
     os.close(fd)
@@ -514,6 +537,7 @@ if __name__ == "__main__":
             ("safetensors_loader_reports_each_tensor", safetensors_loader_reports_each_tensor),
             ("fallback_no_fgds_node_reported", fallback_no_fgds_node_reported),
             ("fallback_system_ram_dmabuf", fallback_system_ram_dmabuf),
+            ("fallback_tmpfs_file_says_why", fallback_tmpfs_file_says_why),
             ("fallback_off_raises_with_the_reason", fallback_off_raises_with_the_reason),
             ("bad_arguments_raise_with_errno", bad_arguments_raise_with_errno),
             ("drive_error_carries_errno_and_bytes_done", drive_error_carries_errno_and_bytes_done),
