@@ -20,9 +20,10 @@
  *  - the disk sits on a PCI device, which does the DMA, and that device
  *    reaches the GPU: pci_p2pdma_distance() for P2PDMA pages, fgds's own
  *    rules for GENERIC pages (fgds_gpu_dma_dev_check()). A disk without one
- *    (md, dm, NVMe multipath heads, fabrics) is refused: fgds cannot name
- *    the devices that would do the DMA, nor bound how long its I/O waits
- *    for a path;
+ *    (md, NVMe multipath heads) is refused: fgds cannot name the devices
+ *    that would do the DMA, nor bound how long its I/O waits for a path;
+ *    userspace may still use the mapped address where each member passes
+ *    this gate (FGDS_IOCTL_CHECK_FILE on the member);
  *  - P2PDMA pages never share a request with RAM: kernels that map a
  *    request by its first segment (blk_rq_dma_map_iter_start(), 6.17 on)
  *    would map RAM as bus addresses or BAR pages through the IOMMU as RAM.
@@ -214,7 +215,7 @@ int fgds_io_gate(struct fgds_gpu *gpu, struct file *file, int fd, bool write,
 		break;
 	case FGDS_PATH_NO_PCI:
 		fgds_refuse(gpu, fd,
-			    "%pg is not on a PCI device (md, dm, NVMe multipath or fabrics): fgds cannot tell which device does its DMA; read its members directly or go through RAM",
+			    "%pg is not on a PCI device (md, NVMe multipath): fgds cannot tell which device does its DMA; read through the registration's mapping where each member passes (fgds doctor FILE), or through RAM",
 			    g.bdev);
 		break;
 	case FGDS_PATH_NO_P2P:

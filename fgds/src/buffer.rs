@@ -152,6 +152,16 @@ impl Buffer {
         crate::gate::check(&self.node, self.idx, file, write)
     }
 
+    /// The driver's verdict on each member of the stacked device (md) `file` is on, for the
+    /// reasons of a fallback and `fgds doctor FILE`; empty where `file` is on no such device.
+    pub fn check_members(
+        &self,
+        file: &File,
+        write: bool,
+    ) -> Vec<(String, std::result::Result<crate::gate::Verdict, String>)> {
+        crate::gate::check_members(&self.node, self.idx, file, write)
+    }
+
     /// The node the buffer is registered on (where its io_uring commands go).
     pub(crate) fn node(&self) -> &File {
         &self.node

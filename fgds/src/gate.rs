@@ -176,3 +176,72 @@ pub(crate) fn check(node: &File, idx: u64, file: &File, write: bool) -> Result<V
         }),
     })
 }
+
+/// The block device a file's I/O goes to: the device itself, or the one its file system is on,
+/// as `MAJOR:MINOR`.
+fn block_dev(file: &File) -> Option<(u32, u32)> {
+    let st = rustix::fs::fstat(file).ok()?;
+    let dev =
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::BlockDevice {
+            st.st_rdev
+        } else {
+            st.st_dev
+        };
+    Some((rustix::fs::major(dev), rustix::fs::minor(dev)))
+}
+
+/// The member disks of the stacked device (md, dm) a file's I/O goes to, by name (`nvme0n1`),
+/// from sysfs `slaves`; empty where it has none.
+pub fn members(file: &File) -> Vec<String> {
+    let Some((major, minor)) = block_dev(file) else {
+        return Vec::new();
+    };
+    let dir = format!("/sys/dev/block/{major}:{minor}/slaves");
+    let mut names = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// Each member of the stacked device `file` is on, with the driver's verdict on it (opened
+/// `O_DIRECT` by its node, `/dev/NAME`), or why it could not be asked.
+pub(crate) fn check_members(
+    node: &File,
+    idx: u64,
+    file: &File,
+    write: bool,
+) -> Vec<(String, std::result::Result<Verdict, String>)> {
+    members(file)
+        .into_iter()
+        .map(|name| {
+            let path = std::path::PathBuf::from(format!("/dev/{name}"));
+            let verdict = crate::buffer::open_direct(&path, write)
+                .map_err(|e| e.to_string())
+                .and_then(|member| check(node, idx, &member, write).map_err(|e| e.to_string()));
+            (name, verdict)
+        })
+        .collect()
+}
+
+/// What [`check_members`] found, as one phrase: the members fgds's checks let through, and
+/// those that would not be (with why).
+pub fn describe_members(members: &[(String, std::result::Result<Verdict, String>)]) -> String {
+    members
+        .iter()
+        .map(|(name, verdict)| match verdict {
+            Ok(v) if v.is_direct() => format!(
+                "{name} direct through {}",
+                v.dma_dev.as_deref().unwrap_or("?")
+            ),
+            Ok(v) => format!("{name} not: {}", v.explain()),
+            Err(err) => format!("{name} not asked: {err}"),
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}

@@ -521,6 +521,15 @@ impl GpuFile {
                 self.bounce(dir, mem, file_offset + done, mem_offset + done, rest)
                     .map_err(|e| shifted(e, done, n))?;
                 let reason = match gate {
+                    // A stacked disk (md): say which member stopped it.
+                    Some(verdict) if verdict.gate == crate::gate::Gate::NoPci => format!(
+                        "fgds does not take this file for GPU {}: {}; its members: {} ({err})",
+                        range.gpu,
+                        verdict.explain(),
+                        crate::gate::describe_members(
+                            &range.buffer.check_members(direct, dir == Direction::Write)
+                        )
+                    ),
                     Some(verdict) => format!(
                         "fgds does not take this file for GPU {}: {} ({err})",
                         range.gpu,

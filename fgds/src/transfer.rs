@@ -340,15 +340,26 @@ impl Transfer {
 }
 
 /// Whether the mapped path may take `file`: the driver's gate takes it (`direct`: asked
-/// before any command), or refused it only for merges or for a disk without a PCI device, whose
-/// user pages the kernel's own P2PDMA checks judge; or there is no gate to ask.
+/// before any command), or refused it only for merges (user pages never merge), or for a disk
+/// without a PCI device (md) every member of which the gate takes; or there is no gate to ask.
 fn mapping_may_take(buffer: &Buffer, file: &File, dir: Direction, direct: bool) -> bool {
     use crate::gate::Gate;
-    match buffer.check_file(file, dir == Direction::Write) {
-        Ok(verdict) => {
-            matches!(verdict.gate, Gate::Merges | Gate::NoPci)
-                || (direct && verdict.gate == Gate::Direct)
-        }
+    let write = dir == Direction::Write;
+    match buffer.check_file(file, write) {
+        Ok(verdict) => match verdict.gate {
+            Gate::Merges => true,
+            Gate::Direct => direct,
+            // GENERIC pages are RAM to the kernel, which checks nothing for them: each member
+            // must pass the gate itself (a member that cannot be opened to ask does not).
+            Gate::NoPci => {
+                let members = buffer.check_members(file, write);
+                !members.is_empty()
+                    && members
+                        .iter()
+                        .all(|(_, v)| v.as_ref().is_ok_and(crate::gate::Verdict::is_direct))
+            }
+            _ => false,
+        },
         Err(_) => true,
     }
 }

@@ -41,6 +41,9 @@ pub fn diag(msg: impl Display) {
     let _ = out.flush();
 }
 
+/// A case that takes this long gets a diagnostic line with its time.
+const SLOW_CASE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Runs every case in order, prints the KTAP document and exits: 0 if nothing failed, else 1.
 ///
 /// A case that panics fails; the others still run. Cases named on the command line run alone.
@@ -55,11 +58,22 @@ pub fn run(cases: &[Case]) -> ! {
     let mut failed = 0;
     for (i, case) in selected.iter().enumerate() {
         let n = i + 1;
+        let started = std::time::Instant::now();
         let outcome = match std::panic::catch_unwind(case.run) {
             Ok(Ok(outcome)) => outcome,
             Ok(Err(err)) => Outcome::Fail(format!("{err:#}")),
             Err(panic) => Outcome::Fail(panic_message(&panic)),
         };
+        // Where a program's time goes, for the cases that take a while (a slow CI run says
+        // which case it was).
+        let took = started.elapsed();
+        if took >= SLOW_CASE {
+            diag(format_args!(
+                "{} took {:.1} s",
+                case.name,
+                took.as_secs_f64()
+            ));
+        }
         match outcome {
             Outcome::Pass => println!("ok {n} {}", case.name),
             Outcome::Skip(reason) => println!("ok {n} {} # SKIP {}", case.name, one_line(&reason)),

@@ -420,6 +420,12 @@ pub const SKIPS: &[Skip] = &[
               files fgds cannot reach on every kernel",
     },
     Skip {
+        cases: &["fgds_gate::md_raid0_over_two_drives"],
+        when: &[When::LacksAny(&["CONFIG_MD_RAID0"])],
+        reason: "the kernel has no md RAID0",
+        why: "the build: kernels leave md out; the Debian kernels have it as a module",
+    },
+    Skip {
         cases: &["fgds_gate::nvme_over_tcp_refused"],
         when: &[When::LacksAny(&[
             "CONFIG_NVME_TCP",

@@ -26,6 +26,8 @@ const OPTIONAL_KERNEL_MODULES: &[(&str, &str)] = &[
     ("CONFIG_BLK_DEV_RAM", "brd"),
     ("CONFIG_ZRAM", "zram"),
     ("CONFIG_DM_CRYPT", "dm_crypt"),
+    // md RAID0 over two drives (fgds_gate).
+    ("CONFIG_MD_RAID0", "raid0"),
 ];
 
 /// File systems besides ext4, loaded (where the kernel has them) only for runs with a program

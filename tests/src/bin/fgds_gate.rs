@@ -68,6 +68,10 @@ fn main() {
             run: nvme_over_tcp_refused,
         },
         Case {
+            name: "md_raid0_over_two_drives",
+            run: md_raid0_over_two_drives,
+        },
+        Case {
             name: "check_file_names_the_path",
             run: check_file_names_the_path,
         },
@@ -470,9 +474,8 @@ fn check_file(reg: &Reg, fd: i32, write: bool) -> anyhow::Result<(u32, Option<St
 }
 
 /// The crate's [`fgds::GpuFile`] reads `path` (4 MiB of a pattern written through RAM first)
-/// into vgpu memory: through RAM, labelled so, with the driver's reason (`why`, the start of
-/// [`fgds::gate::Verdict::explain`]), and the bytes arrive.
-fn crate_bounces_saying_why(path: &Path, what: &str, why: &str) -> anyhow::Result<()> {
+/// into vgpu memory, and the bytes arrive; how it went.
+fn crate_read(path: &Path, what: &str) -> anyhow::Result<fgds::Completion> {
     const LEN: u64 = 4 * MIB;
     const SEED: u64 = 0x4741_5442;
     let mut data = AlignedBuf::new(LEN as usize)?;
@@ -491,13 +494,152 @@ fn crate_bounces_saying_why(path: &Path, what: &str, why: &str) -> anyhow::Resul
     let file = fgds::GpuFile::open(path, "r")?;
     let done = file.read(&mem, LEN, 0, 0, &fgds::Options::DEFAULT)?;
     ktap::diag(format_args!("the crate's read of {what}: {done:?}"));
+    ctl::gpu_check(bar_off, LEN, SEED)
+        .with_context(|| format!("GPU memory after reading {what}"))?;
+    ensure!(
+        done.bytes == LEN,
+        "the crate's read of {what} moved {done:?}"
+    );
+    Ok(done)
+}
+
+/// [`crate_read`] of `path`: all of it through RAM, labelled bounce, with the driver's reason
+/// (`why`, the start of [`fgds::gate::Verdict::explain`]).
+fn crate_bounces_saying_why(path: &Path, what: &str, why: &str) -> anyhow::Result<()> {
+    let done = crate_read(path, what)?;
     let reason = done.reason.clone().unwrap_or_default();
     ensure!(
-        done.path == fgds::IoPath::Bounce && done.bounced == LEN && reason.contains(why),
+        done.path == fgds::IoPath::Bounce && done.bounced == done.bytes && reason.contains(why),
         "the crate's read of {what} went {done:?}: want all of it through RAM, labelled bounce, \
          with the driver's reason ({why:?})"
     );
-    ctl::gpu_check(bar_off, LEN, SEED).with_context(|| format!("GPU memory after reading {what}"))
+    Ok(())
+}
+
+/// An md RAID0 array without a superblock over a range of each member (md's sysfs, as
+/// `mdadm --build` does it), stopped when dropped.
+struct Md {
+    name: String,
+    path: PathBuf,
+}
+
+impl Md {
+    /// `member_bytes` of each of `members` (a block device and the byte offset of the range),
+    /// striped in chunks of `chunk` bytes.
+    fn raid0(
+        name: &str,
+        members: &[(&Path, u64)],
+        member_bytes: u64,
+        chunk: u64,
+    ) -> anyhow::Result<Md> {
+        std::fs::write("/sys/module/md_mod/parameters/new_array", name)
+            .with_context(|| format!("create md array {name}"))?;
+        let md = Md {
+            name: name.to_owned(),
+            path: PathBuf::from(format!("/dev/{name}")),
+        };
+        let dir = PathBuf::from(format!("/sys/block/{name}/md"));
+        let put = |path: PathBuf, value: String| {
+            std::fs::write(&path, &value)
+                .with_context(|| format!("write {value:?} to {}", path.display()))
+        };
+        put(dir.join("metadata_version"), "none".into())?;
+        put(dir.join("level"), "raid0".into())?;
+        put(dir.join("chunk_size"), chunk.to_string())?;
+        put(dir.join("raid_disks"), members.len().to_string())?;
+        for (slot, (dev, offset)) in members.iter().enumerate() {
+            let st = rustix::fs::stat(*dev).with_context(|| format!("stat {}", dev.display()))?;
+            let (major, minor) = (rustix::fs::major(st.st_rdev), rustix::fs::minor(st.st_rdev));
+            put(dir.join("new_dev"), format!("{major}:{minor}"))?;
+            let name = dev.file_name().context("a member without a name")?;
+            let rdev = dir.join(format!("dev-{}", name.to_string_lossy()));
+            put(rdev.join("offset"), (offset / 512).to_string())?;
+            put(rdev.join("size"), (member_bytes / 1024).to_string())?;
+            put(rdev.join("slot"), slot.to_string())?;
+        }
+        put(dir.join("array_state"), "active".into())?;
+        fgds_tests::guest::wait_for_node(&md.path)?;
+        Ok(md)
+    }
+}
+
+impl Drop for Md {
+    fn drop(&mut self) {
+        let state = format!("/sys/block/{}/md/array_state", self.name);
+        let _ = std::fs::write(&state, "inactive");
+        let _ = std::fs::write(&state, "clear");
+    }
+}
+
+/// md RAID0 over ranges of the two drives, both behind the GPU's switch. fgds's own I/O refuses
+/// the array (its disk has no PCI device to check, or, where the kernel's md takes no P2PDMA
+/// pages, its queue), saying which; where the kernel's md takes P2PDMA pages, the crate's read
+/// goes direct through the mapped address (the kernel's P2PDMA checks judge each member) and
+/// `fgds doctor` says so, member by member; elsewhere it goes through RAM with the reason.
+fn md_raid0_over_two_drives() -> CaseResult {
+    if !Path::new("/sys/module/raid0").exists() {
+        return ktap::skip("the kernel has no md RAID0 as a module (CONFIG_MD_RAID0)");
+    }
+    fault::require_idle()?;
+    let nvme = fgds_tests::guest::nvme_path()?;
+    let nvme2 = fault::drive_by_serial("fgds1").context("no second drive (serial fgds1)")?;
+    let md = Md::raid0(
+        "md_fgds",
+        &[(&nvme, SCRATCH), (&nvme2, 64 * MIB)],
+        16 * MIB,
+        128 * 1024,
+    )?;
+    let file = open_rw(&md.path)?;
+    let reg = registration(MIB)?;
+    let (path, _) = check_file(&reg, file.as_raw_fd(), false)?;
+    ensure!(
+        path == PATH_NO_PCI || path == PATH_QUEUE,
+        "FGDS_IOCTL_CHECK_FILE says {path} for md RAID0, want {PATH_NO_PCI} or {PATH_QUEUE}"
+    );
+    require_refused(&reg, file.as_raw_fd(), "an md RAID0 array", path)?;
+    drop((reg, file));
+    if path == PATH_QUEUE {
+        crate_bounces_saying_why(&md.path, "md RAID0", QUEUE_REASON)?;
+    } else {
+        let done = crate_read(&md.path, "md RAID0")?;
+        ensure!(
+            done.path == fgds::IoPath::Direct && done.bounced == 0,
+            "the crate's read of md RAID0 went {done:?}, want direct (the mapped address)"
+        );
+        let said = doctor(&md.path)?;
+        ktap::diag(format_args!("fgds doctor {}: {said}", md.path.display()));
+        let members = said["members"].as_array().cloned().unwrap_or_default();
+        ensure!(
+            said["path"] == "direct"
+                && members.len() == 2
+                && members.iter().all(|m| m["gate"] == "direct"),
+            "fgds doctor says {said} for md RAID0 over two reachable drives"
+        );
+    }
+    drop(md);
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// `fgds doctor --json FILE` with the rig's vgpu memory.
+fn doctor(file: &Path) -> anyhow::Result<serde_json::Value> {
+    let vgpu = common::vgpu_name()?;
+    let out = std::process::Command::new("/bin/fgds")
+        .args([
+            "doctor",
+            "--json",
+            "--vgpu",
+            vgpu.trim_start_matches("vgpu"),
+        ])
+        .arg(file)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "fgds doctor {}: {}",
+        file.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
 }
 
 /// The NQN of the subsystem [`nvme_over_tcp_refused`] exports.
@@ -736,21 +878,6 @@ fn check_file_names_the_path() -> CaseResult {
         );
     }
     // The CLI prints the driver's answer.
-    let vgpu = common::vgpu_name()?;
-    let vgpu = vgpu.trim_start_matches("vgpu");
-    let doctor = |file: &Path| -> anyhow::Result<serde_json::Value> {
-        let out = std::process::Command::new("/bin/fgds")
-            .args(["doctor", "--json", "--vgpu", vgpu])
-            .arg(file)
-            .output()?;
-        ensure!(
-            out.status.success(),
-            "fgds doctor {}: {}",
-            file.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(serde_json::from_slice(&out.stdout)?)
-    };
     let said = doctor(&nvme_path)?;
     ktap::diag(format_args!("fgds doctor {}: {said}", nvme_path.display()));
     ensure!(

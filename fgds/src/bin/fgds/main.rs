@@ -153,7 +153,8 @@ fn doctor(json: bool) -> anyhow::Result<()> {
 /// How much GPU memory `fgds doctor FILE` registers to ask with.
 const DOCTOR_BYTES: u64 = 2 << 20;
 
-/// `fgds doctor FILE`: the driver's gate on FILE for one registration of the GPU's memory.
+/// `fgds doctor FILE`: the driver's gate on FILE for one registration of the GPU's memory; for
+/// a disk without a PCI device (md), its verdict on each member too.
 fn doctor_file(
     path: &std::path::Path,
     write: bool,
@@ -162,49 +163,111 @@ fn doctor_file(
 ) -> anyhow::Result<()> {
     let (gpu, dmabuf) = resolve(source, DOCTOR_BYTES)?;
     let buffer = gpu.register(dmabuf.fd(), 0, DOCTOR_BYTES)?;
-    let bdf = &gpu.info().bdf;
     let what = if write { "a write of" } else { "a read into" };
-    match fgds::open_direct(path, write) {
-        Ok(file) => {
-            let verdict = buffer.check_file(&file, write)?;
-            report_path(path, what, bdf, Some(&verdict), &verdict.explain(), json)
-        }
+    let file = match fgds::open_direct(path, write) {
+        Ok(file) => file,
         Err(err) => {
             let reason = format!(
                 "it cannot be opened with O_DIRECT ({err}): its file system takes no direct I/O"
             );
-            report_path(path, what, bdf, None, &reason, json)
+            let answer = Answer {
+                direct: false,
+                verdict: None,
+                reason,
+                members: Vec::new(),
+            };
+            return print_answer(path, what, &gpu.info().bdf, &answer, json);
         }
-    }
+    };
+    let verdict = buffer.check_file(&file, write)?;
+    let members = if verdict.gate == fgds::gate::Gate::NoPci {
+        buffer.check_members(&file, write)
+    } else {
+        Vec::new()
+    };
+    let all_direct = !members.is_empty()
+        && members
+            .iter()
+            .all(|(_, v)| v.as_ref().is_ok_and(fgds::gate::Verdict::is_direct));
+    let (direct, reason) = if verdict.is_direct() {
+        (true, verdict.explain())
+    } else if all_direct {
+        (
+            true,
+            format!(
+                "fgds's own I/O cannot check a disk without a PCI device, so the data goes \
+                 through the registration's mapped address, whose pages the kernel's P2PDMA \
+                 checks take member by member: {}",
+                fgds::gate::describe_members(&members)
+            ),
+        )
+    } else if members.is_empty() {
+        (false, verdict.explain())
+    } else {
+        (
+            false,
+            format!(
+                "{}; its members: {}",
+                verdict.explain(),
+                fgds::gate::describe_members(&members)
+            ),
+        )
+    };
+    let answer = Answer {
+        direct,
+        verdict: Some(verdict),
+        reason,
+        members,
+    };
+    print_answer(path, what, &gpu.info().bdf, &answer, json)
 }
 
-fn report_path(
+/// What `fgds doctor FILE` found.
+struct Answer {
+    direct: bool,
+    verdict: Option<fgds::gate::Verdict>,
+    reason: String,
+    members: Vec<(String, Result<fgds::gate::Verdict, String>)>,
+}
+
+fn print_answer(
     path: &std::path::Path,
     what: &str,
     gpu: &str,
-    verdict: Option<&fgds::gate::Verdict>,
-    reason: &str,
+    answer: &Answer,
     json: bool,
 ) -> anyhow::Result<()> {
-    let direct = verdict.is_some_and(fgds::gate::Verdict::is_direct);
-    let route = if direct { "direct" } else { "bounce" };
+    let route = if answer.direct { "direct" } else { "bounce" };
     if json {
+        let members = answer
+            .members
+            .iter()
+            .map(|(name, verdict)| match verdict {
+                Ok(v) => serde_json::json!({
+                    "name": name, "gate": v.gate.name(), "dma_device": v.dma_dev,
+                }),
+                Err(err) => serde_json::json!({ "name": name, "error": err }),
+            })
+            .collect::<Vec<_>>();
         let value = serde_json::json!({
             "file": path, "gpu": gpu, "write": what.starts_with("a write"), "path": route,
-            "gate": verdict.map(|v| v.gate.name()),
-            "dma_device": verdict.and_then(|v| v.dma_dev.clone()),
-            "reason": reason,
+            "gate": answer.verdict.as_ref().map(|v| v.gate.name()),
+            "dma_device": answer.verdict.as_ref().and_then(|v| v.dma_dev.clone()),
+            "members": members,
+            "reason": answer.reason,
         });
         println!("{}", serde_json::to_string_pretty(&value)?);
-    } else if direct {
+    } else if answer.direct {
         println!(
-            "{}: {what} GPU {gpu} memory goes direct: {reason}",
-            path.display()
+            "{}: {what} GPU {gpu} memory goes direct: {}",
+            path.display(),
+            answer.reason
         );
     } else {
         println!(
-            "{}: {what} GPU {gpu} memory goes through RAM (bounce): {reason}",
-            path.display()
+            "{}: {what} GPU {gpu} memory goes through RAM (bounce): {}",
+            path.display(),
+            answer.reason
         );
     }
     Ok(())
