@@ -109,8 +109,9 @@ impl Verdict {
                             such as dm-crypt, NVMe over TCP or RDMA, md where the kernel's md \
                             takes none): only NVMe drives on PCIe can DMA to the GPU"
                 .to_owned(),
-            Gate::NoPci => "its disk hangs from no PCI device (md, NVMe multipath), so fgds \
-                            cannot check which device does the DMA: read the members directly"
+            Gate::NoPci => "its disk hangs from no PCI device (md, NVMe multipath), which \
+                            fgds's own I/O cannot check: the mapped address takes it where \
+                            every member passes"
                 .to_owned(),
             Gate::NoP2p => format!(
                 "the drive's controller {dev} has no peer-to-peer path to the GPU: put them \

@@ -47,6 +47,10 @@ pub struct Config {
     pub btrfs_image: Option<PathBuf>,
     /// The second drive's image.
     pub nvme2_image: PathBuf,
+    /// The image of a third drive, for a root port of its own outside the GPU's switch (no P2P
+    /// path to the GPU: the host bridge is not one Linux lets P2P through without a vIOMMU's
+    /// CPU model); only without `iommu`. The port is empty at boot: a test plugs the drive in.
+    pub far_image: Option<PathBuf>,
     pub gpu_backing: PathBuf,
     pub gpu_bytes: u64,
     /// I/O errors the drive returns at fixed sectors.
@@ -284,6 +288,16 @@ pub fn args(config: &Config) -> Vec<String> {
         "-device",
         &format!("nvme,id={NVME2_ID},serial=fgds1,drive=nvme1-disk,bus=dn2"),
     ]);
+    if let (Some(image), false) = (&config.far_image, config.iommu) {
+        push(&[
+            "-device",
+            "pcie-root-port,id=rpfar,bus=pcie.0,chassis=9,slot=9",
+        ]);
+        // Its controller is plugged in by the test (FAR_NVME_ADD): GENERIC pages are refused
+        // on a machine where an NVMe controller cannot reach the GPU, so it must come after
+        // their set-up, as a drive added later does.
+        push(&["-blockdev", &raw_blockdev("nvme2-disk", image)]);
+    }
     push(&[
         "-object",
         &gpu_memory_backend("vram0", config.gpu_bytes, &config.gpu_backing),
@@ -579,6 +593,7 @@ mod tests {
             xfs_image: None,
             btrfs_image: None,
             nvme2_image: "nvme2.img".into(),
+            far_image: None,
             gpu_backing: "gpu".into(),
             gpu_bytes: 1 << 28,
             nvme_errors: Vec::new(),

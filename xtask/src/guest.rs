@@ -38,7 +38,7 @@ const FS_KERNEL_MODULES: &[(&str, &str)] =
     &[("CONFIG_XFS_FS", "xfs"), ("CONFIG_BTRFS_FS", "btrfs")];
 
 /// NVMe over TCP, target and host, loaded (where the kernel has them as modules) only for runs
-/// with a program that asks for them (`+fabrics`): fgds_gate exports a namespace over the
+/// with a program that asks for them (`+field`): fgds_gate exports a namespace over the
 /// loopback and connects to it.
 const FABRICS_KERNEL_MODULES: &[(&str, &str)] = &[
     ("CONFIG_NVME_TARGET_TCP", "nvmet_tcp"),
@@ -60,9 +60,9 @@ pub struct SuiteEntry {
     pub fio: bool,
     /// The program uses xfs and btrfs (`+fs`): the guest loads their modules.
     pub fs: bool,
-    /// The program sets up NVMe over TCP in the guest (`+fabrics`): the guest loads the
-    /// kernel's NVMe target and host over TCP.
-    pub fabrics: bool,
+    /// The program uses the field's storage (`+field`): the guest loads the kernel's NVMe
+    /// target and host over TCP, and the machine has a third drive outside the GPU's switch.
+    pub field: bool,
 }
 
 impl SuiteEntry {
@@ -150,7 +150,7 @@ pub fn bin_dir() -> PathBuf {
         .join("release")
 }
 
-/// The default suite, from tests/suite.txt (`name timeout-seconds [+fio] [+fs] [+fabrics]` per
+/// The default suite, from tests/suite.txt (`name timeout-seconds [+fio] [+fs] [+field]` per
 /// line, in run order).
 pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
     let path = crate::project_root().join("tests/suite.txt");
@@ -169,14 +169,14 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
             .unwrap_or("120")
             .parse()
             .with_context(|| format!("bad timeout in {}: {line:?}", path.display()))?;
-        let (mut fio, mut fs, mut fabrics) = (false, false, false);
+        let (mut fio, mut fs, mut field) = (false, false, false);
         for word in words {
             match word {
                 "+fio" => fio = true,
                 "+fs" => fs = true,
-                "+fabrics" => fabrics = true,
+                "+field" => field = true,
                 _ => bail!(
-                    "{}: {line:?}: unknown {word:?} (+fio, +fs and +fabrics are known)",
+                    "{}: {line:?}: unknown {word:?} (+fio, +fs and +field are known)",
                     path.display()
                 ),
             }
@@ -190,7 +190,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 python: false,
                 fio,
                 fs,
-                fabrics,
+                field,
             }
         } else if let Some(stem) = name.strip_suffix(".py") {
             SuiteEntry {
@@ -201,7 +201,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 python: true,
                 fio,
                 fs,
-                fabrics,
+                field,
             }
         } else {
             SuiteEntry {
@@ -212,7 +212,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 python: false,
                 fio,
                 fs,
-                fabrics,
+                field,
             }
         };
         suite.push(entry);
@@ -234,7 +234,7 @@ pub fn exec_entry(path: &Path, timeout_secs: u64) -> anyhow::Result<SuiteEntry> 
         python: false,
         fio: false,
         fs: false,
-        fabrics: false,
+        field: false,
         name: format!("exec:{name}"),
         path: path.to_path_buf(),
         timeout_secs,
@@ -331,7 +331,7 @@ pub fn make_initramfs(
     } else {
         &[]
     };
-    let fabrics = if suite.iter().any(|e| e.fabrics) {
+    let fabrics = if suite.iter().any(|e| e.field) {
         FABRICS_KERNEL_MODULES
     } else {
         &[]

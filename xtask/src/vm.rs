@@ -288,7 +288,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
                 // A program of the suite keeps what its suite line asks for.
                 fio: suite.iter().any(|e| e.name == *name && e.fio),
                 fs: opts.filesystems || suite.iter().any(|e| e.name == *name && e.fs),
-                fabrics: suite.iter().any(|e| e.name == *name && e.fabrics),
+                field: suite.iter().any(|e| e.name == *name && e.field),
             })
             .collect();
     }
@@ -415,7 +415,7 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         run_dir,
         opts.gpu_bytes,
         pattern::NVME_IMAGE_BYTES
-            + 2 * disk::SMALL_DRIVE_BYTES
+            + 3 * disk::SMALL_DRIVE_BYTES
             + disk::XFS_DRIVE_BYTES
             + disk::BTRFS_DRIVE_BYTES,
     )?;
@@ -434,6 +434,12 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         (None, None)
     };
     let nvme2_image = memory.drive("nvme2.img")?;
+    // A drive outside the GPU's switch only for a run with a program that uses it (`+field`).
+    let far_image = if suite.iter().any(|e| e.field) {
+        Some(memory.drive("far.img")?)
+    } else {
+        None
+    };
     phases.run("image", || {
         disk::write_nvme_image(&nvme_image)?;
         disk::write_gpu_backing(&gpu_backing, opts.gpu_bytes)?;
@@ -443,6 +449,9 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
             disk::write_fs_image(btrfs, "btrfs", disk::BTRFS_DRIVE_BYTES)?;
         }
         disk::write_gpu_backing(&nvme2_image, disk::SMALL_DRIVE_BYTES)?;
+        if let Some(far) = &far_image {
+            disk::write_gpu_backing(far, disk::SMALL_DRIVE_BYTES)?;
+        }
         Ok(())
     })?;
 
@@ -452,7 +461,7 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         // Where vfio is built in (the comparator kernel), its type1 parameter comes from the
         // command line; where it is a module the init passes it at load (VFIO_MODULES).
         cmdline: format!(
-            "{} {} {}",
+            "{} {} {} {}",
             opts.append,
             if run_config.exporter == expected::Exporter::Vfio {
                 guest::VFIO_BUILTIN_PARAMS
@@ -460,7 +469,13 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
                 ""
             },
             // The init waits for and mounts the xfs and btrfs namespaces only then.
-            if filesystems { "fgds.fs=1" } else { "" }
+            if filesystems { "fgds.fs=1" } else { "" },
+            // fgds_gate plugs the drive outside the switch in only then.
+            if far_image.is_some() && !opts.iommu {
+                "fgds.far=1"
+            } else {
+                ""
+            }
         )
         .split_whitespace()
         .collect::<Vec<_>>()
@@ -482,6 +497,7 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         xfs_image,
         btrfs_image,
         nvme2_image,
+        far_image,
         run_dir: run_dir.clone(),
     };
     let limit = Duration::from_secs(

@@ -72,6 +72,10 @@ fn main() {
             run: md_raid0_over_two_drives,
         },
         Case {
+            name: "drive_outside_the_switch_refused",
+            run: drive_outside_the_switch_refused,
+        },
+        Case {
             name: "check_file_names_the_path",
             run: check_file_names_the_path,
         },
@@ -438,6 +442,7 @@ const PATH_FILE_TYPE: u32 = 1;
 const PATH_FS: u32 = 3;
 const PATH_QUEUE: u32 = 5;
 const PATH_NO_PCI: u32 = 6;
+const PATH_NO_P2P: u32 = 7;
 const PATH_MERGES: u32 = 8;
 const PATH_NOT_O_DIRECT: u32 = 9;
 
@@ -617,6 +622,130 @@ fn md_raid0_over_two_drives() -> CaseResult {
         );
     }
     drop(md);
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
+
+/// QEMU's id of the drive outside the GPU's switch, how to plug it in (the rig's own arguments:
+/// qemu/src/machine.rs, `far_image`), and its serial.
+const FAR_ID: &str = "nvme2";
+const FAR_ADD: &str = "nvme,id=nvme2,serial=fgds2,drive=nvme2-disk,bus=rpfar";
+const FAR_SERIAL: &str = "fgds2";
+
+/// The drive outside the GPU's switch, plugged in for a case and unplugged when dropped.
+struct FarDrive {
+    path: PathBuf,
+}
+
+impl FarDrive {
+    /// None where the machine has no port for it (a run without `+field`, or with a vIOMMU).
+    fn plug() -> anyhow::Result<Option<FarDrive>> {
+        if !std::fs::read_to_string("/proc/cmdline")?.contains("fgds.far=1") {
+            return Ok(None);
+        }
+        ctl::device_add(FAR_ADD).context("plugging in the drive outside the switch")?;
+        let mut path = None;
+        fault::wait_until(
+            "the drive outside the switch",
+            Duration::from_secs(30),
+            || {
+                path = fault::drive_by_serial(FAR_SERIAL);
+                Ok(path.is_some())
+            },
+        )?;
+        let Some(path) = path else { return Ok(None) };
+        // The node comes before the disk is ready to open (ENXIO until then).
+        fgds_tests::guest::wait_for_node(&path)?;
+        Ok(Some(FarDrive { path }))
+    }
+}
+
+impl Drop for FarDrive {
+    fn drop(&mut self) {
+        if let Err(err) = ctl::device_del(FAR_ID) {
+            ktap::diag(format_args!(
+                "unplugging the drive outside the switch: {err:#}"
+            ));
+        }
+    }
+}
+
+/// A drive plugged in outside the GPU's switch, after fgds set up the GPU's pages (the host
+/// bridge between them lets no P2P through): fgds refuses it four ways, naming the path
+/// (`FGDS_PATH_NO_P2P`) and the controller; md RAID0 over it and a reachable drive is refused
+/// too, and the crate's read of the array goes through RAM naming the member that stops it, as
+/// `fgds doctor` does.
+fn drive_outside_the_switch_refused() -> CaseResult {
+    fault::require_idle()?;
+    // The GPU's pages first, so that the drive comes after their set-up.
+    let reg = registration(MIB)?;
+    let Some(far) = FarDrive::plug()? else {
+        return ktap::skip(
+            "no port outside the GPU's switch in this machine (a run without +field, or with \
+             --iommu, where every device has a root port of its own)",
+        );
+    };
+    let file = open_rw(&far.path)?;
+    let (path, dev) = check_file(&reg, file.as_raw_fd(), false)?;
+    ensure!(
+        path == PATH_NO_P2P && dev.is_some(),
+        "FGDS_IOCTL_CHECK_FILE says {path} ({dev:?}) for a drive outside the switch, want \
+         {PATH_NO_P2P} with its controller"
+    );
+    require_refused(
+        &reg,
+        file.as_raw_fd(),
+        "a drive outside the switch",
+        PATH_NO_P2P,
+    )?;
+    drop((reg, file));
+    if Path::new("/sys/module/raid0").exists() {
+        let nvme = fgds_tests::guest::nvme_path()?;
+        let md = Md::raid0(
+            "md_far",
+            &[(&nvme, SCRATCH), (&far.path, 64 * MIB)],
+            16 * MIB,
+            128 * 1024,
+        )?;
+        let reg = registration(MIB)?;
+        let (gate, _) = check_file(&reg, open_rw(&md.path)?.as_raw_fd(), false)?;
+        drop(reg);
+        if gate == PATH_QUEUE {
+            // This kernel's md takes no P2PDMA pages: that is the reason, whatever the members.
+            crate_bounces_saying_why(&md.path, "md RAID0", QUEUE_REASON)?;
+            drop((md, far));
+            fault::wait_counters_zero("after the case")?;
+            return ktap::pass();
+        }
+        let far_name = far
+            .path
+            .file_name()
+            .context("the drive's node has no name")?
+            .to_string_lossy()
+            .into_owned();
+        let done = crate_read(&md.path, "md RAID0 with a member outside the switch")?;
+        let reason = done.reason.clone().unwrap_or_default();
+        ensure!(
+            done.path == fgds::IoPath::Bounce
+                && done.bounced == done.bytes
+                && reason.contains(&format!("{far_name} not: the drive's controller")),
+            "the crate's read of md RAID0 with {far_name} outside the switch went {done:?}: want \
+             it through RAM, naming {far_name}"
+        );
+        let said = doctor(&md.path)?;
+        ktap::diag(format_args!("fgds doctor {}: {said}", md.path.display()));
+        ensure!(
+            said["path"] == "bounce"
+                && said["members"].as_array().is_some_and(|m| m
+                    .iter()
+                    .any(|m| m["name"] == far_name.as_str() && m["gate"] == "no-p2p-path")),
+            "fgds doctor says {said} for md RAID0 with {far_name} outside the switch"
+        );
+        drop(md);
+    } else {
+        ktap::diag("no md RAID0 here: the drive alone was checked");
+    }
+    drop(far);
     fault::wait_counters_zero("after the case")?;
     ktap::pass()
 }
