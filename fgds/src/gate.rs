@@ -85,6 +85,12 @@ impl Verdict {
         self.gate == Gate::Direct
     }
 
+    /// Whether the registration's mapped address reaches the file by DMA: fgds's gate takes it,
+    /// or refused it only because its queue may merge (the kernel never merges user pages).
+    pub fn mapping_reaches(&self) -> bool {
+        matches!(self.gate, Gate::Direct | Gate::Merges)
+    }
+
     /// What the verdict means, and what to do where it is not direct: one sentence.
     pub fn explain(&self) -> String {
         let dev = self.dma_dev.as_deref().unwrap_or("?");
@@ -236,7 +242,7 @@ pub fn describe_members(members: &[(String, std::result::Result<Verdict, String>
     members
         .iter()
         .map(|(name, verdict)| match verdict {
-            Ok(v) if v.is_direct() => format!(
+            Ok(v) if v.mapping_reaches() => format!(
                 "{name} direct through {}",
                 v.dma_dev.as_deref().unwrap_or("?")
             ),

@@ -356,7 +356,7 @@ fn mapping_may_take(buffer: &Buffer, file: &File, dir: Direction, direct: bool) 
                 !members.is_empty()
                     && members
                         .iter()
-                        .all(|(_, v)| v.as_ref().is_ok_and(crate::gate::Verdict::is_direct))
+                        .all(|(_, v)| v.as_ref().is_ok_and(crate::gate::Verdict::mapping_reaches))
             }
             _ => false,
         },

@@ -617,7 +617,9 @@ fn md_raid0_over_two_drives() -> CaseResult {
         ensure!(
             said["path"] == "direct"
                 && members.len() == 2
-                && members.iter().all(|m| m["gate"] == "direct"),
+                && members
+                    .iter()
+                    .all(|m| m["gate"] == "direct" || m["gate"] == "merges"),
             "fgds doctor says {said} for md RAID0 over two reachable drives"
         );
     }

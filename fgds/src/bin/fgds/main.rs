@@ -188,7 +188,7 @@ fn doctor_file(
     let all_direct = !members.is_empty()
         && members
             .iter()
-            .all(|(_, v)| v.as_ref().is_ok_and(fgds::gate::Verdict::is_direct));
+            .all(|(_, v)| v.as_ref().is_ok_and(fgds::gate::Verdict::mapping_reaches));
     let (direct, reason) = if verdict.is_direct() {
         (true, verdict.explain())
     } else if all_direct {
