@@ -64,6 +64,10 @@ fn main() {
             run: dm_crypt_refused,
         },
         Case {
+            name: "dm_linear_refused",
+            run: dm_linear_refused,
+        },
+        Case {
             name: "nvme_over_tcp_refused",
             run: nvme_over_tcp_refused,
         },
@@ -378,6 +382,26 @@ fn dm_ioctl(nr: u8, name: &str, flags: u32, payload: &[u8], targets: u32) -> any
 impl Dm {
     /// A dm-crypt target over `backing` (sectors of 512 bytes), with a fixed test key.
     fn crypt(name: &str, backing: &Path, sectors: u64) -> anyhow::Result<Dm> {
+        let params = format!(
+            "aes-cbc-plain {} 0 {} 0",
+            "00".repeat(32),
+            backing.display()
+        );
+        Dm::create(name, "crypt", &params, sectors)
+    }
+
+    /// A dm-linear target (what LVM makes) over `sectors` of `backing` from sector `start`.
+    fn linear(name: &str, backing: &Path, start: u64, sectors: u64) -> anyhow::Result<Dm> {
+        Dm::create(
+            name,
+            "linear",
+            &format!("{} {start}", backing.display()),
+            sectors,
+        )
+    }
+
+    /// One target of `kind` with `params`, `sectors` long, loaded and resumed.
+    fn create(name: &str, kind: &str, params: &str, sectors: u64) -> anyhow::Result<Dm> {
         const DM_DEV_CREATE: u8 = 3;
         const DM_DEV_SUSPEND: u8 = 6;
         const DM_TABLE_LOAD: u8 = 9;
@@ -386,16 +410,12 @@ impl Dm {
             name: name.to_owned(),
             path: PathBuf::new(),
         };
-        let params = format!(
-            "aes-cbc-plain {} 0 {} 0\0",
-            "00".repeat(32),
-            backing.display()
-        );
+        let params = format!("{params}\0");
         let mut spec = vec![0u8; 40];
         spec[8..16].copy_from_slice(&sectors.to_ne_bytes());
         let next = (40 + params.len()).next_multiple_of(8);
         spec[20..24].copy_from_slice(&(next as u32).to_ne_bytes());
-        spec[24..29].copy_from_slice(b"crypt");
+        spec[24..24 + kind.len()].copy_from_slice(kind.as_bytes());
         spec.extend_from_slice(params.as_bytes());
         spec.resize(next, 0);
         dm_ioctl(DM_TABLE_LOAD, name, 0, &spec, 1)?;
@@ -435,6 +455,26 @@ fn dm_crypt_refused() -> CaseResult {
 
 /// How [`fgds::gate::Verdict::explain`] begins for `FGDS_PATH_QUEUE`.
 const QUEUE_REASON: &str = "its block device's queue takes no P2PDMA pages";
+
+/// dm-linear (what LVM makes) over the drive's scratch area: the kernel's dm takes no P2PDMA
+/// pages, so fgds refuses it four ways with its verdict, and the crate reads it through RAM
+/// saying why.
+fn dm_linear_refused() -> CaseResult {
+    if !Path::new("/dev/mapper/control").exists() {
+        return ktap::skip("the kernel has no device mapper (CONFIG_BLK_DEV_DM)");
+    }
+    fault::require_idle()?;
+    let nvme = fgds_tests::guest::nvme_path()?;
+    let dm = Dm::linear("fgds-gate-linear", &nvme, SCRATCH / 512, 16 * MIB / 512)?;
+    let file = open_rw(&fgds_tests::guest::wait_for_node(&dm.path).map(|_| dm.path.clone())?)?;
+    let reg = registration(MIB)?;
+    require_refused(&reg, file.as_raw_fd(), "a dm-linear target", PATH_QUEUE)?;
+    drop((reg, file));
+    crate_bounces_saying_why(&dm.path, "dm-linear", QUEUE_REASON)?;
+    drop(dm);
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
+}
 
 /// `FGDS_PATH_*` of the UAPI (`enum fgds_path`).
 const PATH_DIRECT: u32 = 0;
