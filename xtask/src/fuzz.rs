@@ -48,16 +48,16 @@ pub struct Options {
 }
 
 impl Options {
-    /// CI's short run: four minutes on the debug LTS with a fixed seed.
+    /// CI's short run: two minutes on the debug LTS with a fixed seed, a chaos event every ~10 s.
     pub fn ci() -> Options {
         Options {
             kernel: "build:6.12+debug".to_owned(),
-            minutes: 4,
+            minutes: 2,
             seed: Some("0x22".to_owned()),
             ops: None,
             workers: 2,
             threads: 3,
-            chaos: 20,
+            chaos: 10,
             fgds_pages: "auto".to_owned(),
             tcg_threads: vm::DEFAULT_TCG_THREADS,
         }
