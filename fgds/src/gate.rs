@@ -172,15 +172,7 @@ pub(crate) fn check(node: &File, idx: u64, file: &File, write: bool) -> Result<V
     }
     Ok(Verdict {
         gate: Gate::from_raw(arg.path),
-        dma_dev: (arg.dma_bdf != uapi::CHECK_NO_DEV).then(|| {
-            format!(
-                "{:04x}:{:02x}:{:02x}.{}",
-                arg.dma_domain,
-                arg.dma_bdf >> 8,
-                (arg.dma_bdf >> 3) & 0x1f,
-                arg.dma_bdf & 7
-            )
-        }),
+        dma_dev: arg.dma_dev(),
     })
 }
 
@@ -236,7 +228,7 @@ pub(crate) fn check_members(
         .collect()
 }
 
-/// What [`check_members`] found, as one phrase: the members fgds's checks let through, and
+/// What [`crate::Buffer::check_members`] found, as one phrase: the members fgds's checks let through, and
 /// those that would not be (with why).
 pub fn describe_members(members: &[(String, std::result::Result<Verdict, String>)]) -> String {
     members

@@ -79,6 +79,21 @@ pub struct CheckFile {
     pub reserved: u32,
 }
 
+impl CheckFile {
+    /// The device the driver found doing the file's DMA, as `DDDD:BB:DD.F`.
+    pub fn dma_dev(&self) -> Option<String> {
+        (self.dma_bdf != CHECK_NO_DEV).then(|| {
+            format!(
+                "{:04x}:{:02x}:{:02x}.{}",
+                self.dma_domain,
+                self.dma_bdf >> 8,
+                (self.dma_bdf >> 3) & 0x1f,
+                self.dma_bdf & 7
+            )
+        })
+    }
+}
+
 /// `FGDS_CHECK_WRITE`.
 pub const CHECK_WRITE: u32 = 0x1;
 /// `FGDS_CHECK_NO_DEV`.

@@ -29,6 +29,92 @@ pub struct Build {
 /// writes next to the sources; a copy per kernel keeps kernels apart). Diagnostics are printed
 /// and returned; the whole log is `out_dir/build.log`.
 pub fn build(kernel: &Kernel, out_dir: &Path) -> anyhow::Result<Build> {
+    // A build of the same sources against the same kernel is the same build: CI boots
+    // debian:7.3 in four configurations.
+    let cache = build_cache(kernel)?;
+    if let Some(build) = reuse(&cache)? {
+        std::fs::write(
+            out_dir.join("build.log"),
+            format!(
+                "the same sources were built against this kernel: {}\n",
+                cache.display()
+            ),
+        )?;
+        return Ok(build);
+    }
+    let build = build_fresh(kernel, out_dir)?;
+    store(&build, &cache)?;
+    Ok(build)
+}
+
+/// Where a build of the driver's current sources against `kernel` is kept:
+/// `target/driver-builds/<release>-<fingerprint>`.
+fn build_cache(kernel: &Kernel) -> anyhow::Result<PathBuf> {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::hash::DefaultHasher::new();
+    kernel.release.hash(&mut hasher);
+    kernel.kdir.hash(&mut hasher);
+    kernel.make_vars.hash(&mut hasher);
+    hash_sources(&crate::project_root().join("driver"), &mut hasher)?;
+    Ok(crate::project_root()
+        .join("target/driver-builds")
+        .join(format!("{}-{:016x}", kernel.release, hasher.finish())))
+}
+
+/// Feeds the names and contents of the files [`copy_sources`] copies to `hasher`, in order.
+fn hash_sources(dir: &Path, hasher: &mut impl std::hash::Hasher) -> anyhow::Result<()> {
+    use std::hash::Hash;
+    let mut entries = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot read {}", dir.display()))?
+        .collect::<Result<Vec<_>, _>>()?;
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let path = entry.path();
+        if entry.file_type()?.is_dir() {
+            hash_sources(&path, hasher)?;
+        } else if is_source(&entry.file_name().to_string_lossy()) {
+            path.hash(hasher);
+            std::fs::read(&path)?.hash(hasher);
+        }
+    }
+    Ok(())
+}
+
+/// The kept build at `cache`, where there is one.
+fn reuse(cache: &Path) -> anyhow::Result<Option<Build>> {
+    if !cache.join("done").exists() {
+        return Ok(None);
+    }
+    let diagnostics = std::fs::read_to_string(cache.join("diagnostics.txt"))?;
+    Ok(Some(Build {
+        kos: RIG_MODULES
+            .iter()
+            .map(|name| cache.join(format!("{name}.ko")))
+            .collect(),
+        config: cache.join("fgds_config.h"),
+        diagnostics: diagnostics.lines().map(str::to_owned).collect(),
+    }))
+}
+
+/// Keeps `build` at `cache` (written under a temporary name, then renamed: a concurrent run
+/// of the same kernel sees all of it or nothing).
+fn store(build: &Build, cache: &Path) -> anyhow::Result<()> {
+    let tmp = cache.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::create_dir_all(&tmp)?;
+    for (name, ko) in RIG_MODULES.iter().zip(&build.kos) {
+        std::fs::copy(ko, tmp.join(format!("{name}.ko")))?;
+    }
+    std::fs::copy(&build.config, tmp.join("fgds_config.h"))?;
+    std::fs::write(tmp.join("diagnostics.txt"), build.diagnostics.join("\n"))?;
+    std::fs::write(tmp.join("done"), "")?;
+    if std::fs::rename(&tmp, cache).is_err() {
+        // Another run kept the same build first.
+        std::fs::remove_dir_all(&tmp)?;
+    }
+    Ok(())
+}
+
+fn build_fresh(kernel: &Kernel, out_dir: &Path) -> anyhow::Result<Build> {
     let copy = fresh_copy(out_dir)?;
     let log_path = out_dir.join("build.log");
     let (ok, lines) = make(kernel, &copy, &["W=1"], &log_path)?;
@@ -441,6 +527,16 @@ fn is_diagnostic(line: &str) -> bool {
     !(line.starts_with("make") || quiet_step || line.trim().is_empty())
 }
 
+/// Whether a file of driver/ is a source of the build (not one of its products).
+fn is_source(name: &str) -> bool {
+    name == "Kbuild"
+        || name == "Makefile"
+        || name == "conftest.sh"
+        || name == "conftest.mk"
+        || (name.ends_with(".c") && !name.ends_with(".mod.c"))
+        || name.ends_with(".h")
+}
+
 fn copy_sources(src: &Path, dst: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dst)?;
     for entry in std::fs::read_dir(src).with_context(|| format!("cannot read {}", src.display()))? {
@@ -449,13 +545,7 @@ fn copy_sources(src: &Path, dst: &Path) -> anyhow::Result<()> {
         let path = entry.path();
         if entry.file_type()?.is_dir() {
             copy_sources(&path, &dst.join(&name))?;
-        } else if name == "Kbuild"
-            || name == "Makefile"
-            || name == "conftest.sh"
-            || name == "conftest.mk"
-            || (name.ends_with(".c") && !name.ends_with(".mod.c"))
-            || name.ends_with(".h")
-        {
+        } else if is_source(&name) {
             std::fs::copy(&path, dst.join(&name))
                 .with_context(|| format!("cannot copy {}", path.display()))?;
         }

@@ -506,16 +506,7 @@ fn check_file(reg: &Reg, fd: i32, write: bool) -> anyhow::Result<(u32, Option<St
     {
         bail!("FGDS_IOCTL_CHECK_FILE: {}", std::io::Error::last_os_error());
     }
-    let dev = (arg.dma_bdf != uapi::CHECK_NO_DEV).then(|| {
-        format!(
-            "{:04x}:{:02x}:{:02x}.{}",
-            arg.dma_domain,
-            arg.dma_bdf >> 8,
-            (arg.dma_bdf >> 3) & 0x1f,
-            arg.dma_bdf & 7
-        )
-    });
-    Ok((arg.path, dev))
+    Ok((arg.path, arg.dma_dev()))
 }
 
 /// The crate's [`fgds::GpuFile`] reads `path` (4 MiB of a pattern written through RAM first)
