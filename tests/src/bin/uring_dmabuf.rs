@@ -97,10 +97,23 @@ const NVME2_SERIAL: &str = "fgds1";
 /// known-bug rows of the three cases (xtask/src/expected.rs) accept it.
 const HELD_BY_AN_EARLIER_LEAK: &str = "an earlier case's leaked map holds a dma-buf";
 
+/// Set once a case found a dma-buf the series never gave back.
+static LEAKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// [`fault::wait_vgpu_buffers_gone`], remembering a leak in [`LEAKED`].
+fn wait_released(after: &str) -> anyhow::Result<Duration> {
+    fault::wait_vgpu_buffers_gone(after)
+        .inspect_err(|_| LEAKED.store(true, std::sync::atomic::Ordering::Relaxed))
+}
+
 /// Fails with [`HELD_BY_AN_EARLIER_LEAK`] unless vgpu is there with no live buffer (waiting
-/// for releases in flight), then as [`fault::require_idle`].
+/// for releases in flight), then as [`fault::require_idle`]. Once a leak was found, it fails at
+/// once: the series never gives the dma-buf back.
 fn require_no_earlier_leak() -> anyhow::Result<()> {
-    fault::wait_vgpu_buffers_gone("before the case").context(HELD_BY_AN_EARLIER_LEAK)?;
+    if LEAKED.load(std::sync::atomic::Ordering::Relaxed) {
+        bail!("{HELD_BY_AN_EARLIER_LEAK} (found by an earlier case)");
+    }
+    wait_released("before the case").context(HELD_BY_AN_EARLIER_LEAK)?;
     fault::require_idle()
 }
 
@@ -211,7 +224,7 @@ fn nvme_unplug_during_reads() -> CaseResult {
     ctl::gpu_check(bar_off, LEN, SEED).context("after reading the replugged drive")?;
     drop(t);
     drop(dmabuf);
-    fault::wait_vgpu_buffers_gone(
+    wait_released(
         "after the case: every NVMe controller, the removed one too, let the dma-buf go",
     )?;
     ktap::pass()
@@ -506,7 +519,7 @@ fn split_request_lets_the_dmabuf_go() -> CaseResult {
     drop(t);
     drop(nvme);
     drop(dmabuf);
-    let took = fault::wait_vgpu_buffers_gone(
+    let took = wait_released(
         "after a split request: the ring and the dma-buf are closed, and the NVMe driver still \
          holds the dma-buf (the map's reference taken again at the re-issue)",
     )?;
@@ -570,7 +583,7 @@ fn clearing_o_direct_after_registration() -> CaseResult {
     drop(dmabuf);
     // Whether the series lets the dma-buf go after such a read, whatever the read did: a
     // later case would otherwise find it held and could not say why.
-    let released = fault::wait_vgpu_buffers_gone("after the case");
+    let released = wait_released("after the case");
     match (landed, released) {
         (Ok(()), Ok(_)) => ktap::pass(),
         (Err(err), Ok(_)) | (Ok(()), Err(err)) => Err(err),
