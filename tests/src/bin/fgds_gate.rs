@@ -489,24 +489,36 @@ const PATH_NOT_O_DIRECT: u32 = 9;
 /// `FGDS_IOCTL_CHECK_FILE` of `fd` for the registration: the path, and the device doing the
 /// DMA (`DDDD:BB:DD.F`) where the driver found one.
 fn check_file(reg: &Reg, fd: i32, write: bool) -> anyhow::Result<(u32, Option<String>)> {
+    let flags = if write { uapi::CHECK_WRITE } else { 0 };
+    let arg = check_file_raw(&reg.node, reg.idx, fd, flags).map_err(|e| {
+        anyhow::anyhow!(
+            "FGDS_IOCTL_CHECK_FILE: {}",
+            std::io::Error::from_raw_os_error(e)
+        )
+    })?;
+    Ok((arg.path, arg.dma_dev()))
+}
+
+/// `FGDS_IOCTL_CHECK_FILE` as given: the answer or the errno.
+fn check_file_raw(node: &File, idx: u64, fd: i32, flags: u32) -> Result<uapi::CheckFile, i32> {
     let mut arg = uapi::CheckFile {
-        idx: reg.idx,
+        idx,
         fd,
-        flags: if write { uapi::CHECK_WRITE } else { 0 },
+        flags,
         ..uapi::CheckFile::default()
     };
     // SAFETY: `CheckFile` is `struct fgds_check_file`, read and written in place.
     if unsafe {
         libc::ioctl(
-            reg.node.as_raw_fd(),
+            node.as_raw_fd(),
             uapi::IOCTL_CHECK_FILE as _,
             &mut arg as *mut uapi::CheckFile,
         )
     } != 0
     {
-        bail!("FGDS_IOCTL_CHECK_FILE: {}", std::io::Error::last_os_error());
+        return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0));
     }
-    Ok((arg.path, arg.dma_dev()))
+    Ok(arg)
 }
 
 /// The crate's [`fgds::GpuFile`] reads `path` (4 MiB of a pattern written through RAM first)
@@ -981,7 +993,8 @@ fn nvme_over_tcp_refused() -> CaseResult {
 
 /// The driver's gate on the files fgds takes: the raw namespace and a file on ext4 are direct,
 /// with the drive's controller as the DMA device; the namespace open without O_DIRECT says so;
-/// with P2PDMA pages, a queue that may merge says so; and `fgds doctor FILE` prints the same.
+/// with P2PDMA pages, a queue that may merge says so; `fgds doctor FILE` prints the same; and
+/// bad input and a revoked registration get their errnos.
 fn check_file_names_the_path() -> CaseResult {
     fault::require_idle()?;
     let reg = registration(MIB)?;
@@ -1058,6 +1071,26 @@ fn check_file_names_the_path() -> CaseResult {
     ensure!(
         said["path"] == "bounce" && said["gate"] == "queue",
         "fgds doctor says {said} for a loop device"
+    );
+    // Bad input, each with its errno; then a revoked registration.
+    let fd = nvme.as_raw_fd();
+    for (what, idx, fd, flags, want) in [
+        ("unknown flags", reg.idx, fd, 0x2, libc::EINVAL),
+        ("a token not page-aligned", reg.idx + 1, fd, 0, libc::EINVAL),
+        ("no such token", reg.idx + (1 << 30), fd, 0, libc::ENOENT),
+        ("no such file", reg.idx, -1, 0, libc::EBADF),
+    ] {
+        let got = check_file_raw(&reg.node, idx, fd, flags).err();
+        ensure!(
+            got == Some(want),
+            "FGDS_IOCTL_CHECK_FILE with {what}: errno {got:?}, want {want}"
+        );
+    }
+    common::revoke(reg.bar_off)?;
+    let got = check_file_raw(&reg.node, reg.idx, fd, 0).err();
+    ensure!(
+        got == Some(libc::ENODEV),
+        "FGDS_IOCTL_CHECK_FILE of a revoked registration: errno {got:?}, want ENODEV"
     );
     drop((reg, nvme, ext4_file, buffered, dev));
     std::fs::remove_file(&ext4)?;
