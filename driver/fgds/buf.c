@@ -274,6 +274,30 @@ static long fgds_gpu_prepare(struct fgds_gpu *gpu, struct fgds_geometry *geo)
 	return ret;
 }
 
+/*
+ * Makes fgds's pages under the registration's extents (gpu.c), with the
+ * locks a provider's set-up takes, if the provider is still the one of
+ * generation @gen.
+ */
+static int fgds_gpu_make_buf_pages(struct fgds_buf *buf, long gen)
+{
+	struct fgds_gpu *gpu = buf->gpu;
+	struct device *dev = &gpu->pdev->dev;
+	int ret;
+
+	ret = device_lock_interruptible(dev);
+	if (ret)
+		return ret;
+	mutex_lock(&gpu->lock);
+	if (gpu->dead || gpu->tearing || (gpu->gen & LONG_MAX) != gen)
+		ret = -ENODEV;
+	else
+		ret = fgds_gpu_make_pages(gpu, buf->ext, buf->nr_ext);
+	mutex_unlock(&gpu->lock);
+	device_unlock(dev);
+	return ret;
+}
+
 static int fgds_seg_to_bar(struct fgds_buf *buf, const struct fgds_geometry *geo,
 			   dma_addr_t addr, u64 len, pgoff_t *bar_pg)
 {
@@ -712,6 +736,9 @@ static struct fgds_buf *fgds_buf_create(struct fgds_file *f,
 		ret = gen;
 		goto err;
 	}
+	ret = fgds_gpu_make_buf_pages(buf, gen);
+	if (ret)
+		goto err;
 	ret = fgds_buf_publish(buf, gen);
 	if (ret)
 		goto err;

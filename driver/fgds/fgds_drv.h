@@ -46,6 +46,17 @@ struct io_uring_cmd;
 #define FGDS_MIN_BAR_SIZE	(64ULL << 20)
 
 /*
+ * fgds makes its own struct pages over a BAR (P2PDMA and GENERIC modes) in
+ * chunks of this size, each when a registration first covers part of it:
+ * their memmap (1/64 of the memory with 4 KiB pages) and set-up time follow
+ * what was registered, not the BAR (256 GiB on an H200). BARs are powers of
+ * two of at least FGDS_MIN_BAR_SIZE, so they hold whole chunks.
+ */
+#define FGDS_CHUNK_SHIFT	26
+#define FGDS_CHUNK_SIZE		BIT_ULL(FGDS_CHUNK_SHIFT)
+#define FGDS_CHUNK_PAGES	(FGDS_CHUNK_SIZE >> PAGE_SHIFT)
+
+/*
  * Each registration's mappings sit at their own place in fgds's address_space:
  * vm_pgoff = id << FGDS_VM_SHIFT, id < FGDS_VM_IDS. So a buffer spans at most
  * 2^31 pages (8 TiB), and every byte offset of the space fits a loff_t.
@@ -61,8 +72,8 @@ struct io_uring_cmd;
  *	unbinds)
  * @FGDS_MODE_EXPORTER_P2PDMA: the GPU's driver registered P2PDMA pages for
  *	its BAR (pci_p2pdma_add_resource()); fgds maps those
- * @FGDS_MODE_P2PDMA: fgds registered P2PDMA pages for the whole BAR and
- *	claimed the whole range from the P2PDMA genpool
+ * @FGDS_MODE_P2PDMA: fgds registers P2PDMA pages for the BAR, a chunk at a
+ *	time, and claims each chunk from the P2PDMA genpool
  * @FGDS_MODE_GENERIC: MEMORY_DEVICE_GENERIC pages created by fgds; only on
  *	kernels without CONFIG_PCI_P2PDMA (or with pages=generic), and only
  *	where fgds vouched for the topology
@@ -103,6 +114,19 @@ struct fgds_geometry {
 };
 
 /**
+ * struct fgds_chunk - fgds's own pages over one FGDS_CHUNK_SIZE of the BAR
+ * @pgmap: GENERIC mode: the pagemap fgds created
+ * @group: P2PDMA mode: the devres group on the GPU's device that holds what
+ *	pci_p2pdma_add_resource() made for the chunk
+ * @claim: P2PDMA mode, order-0 pages: the chunk's claim from the genpool
+ */
+struct fgds_chunk {
+	struct dev_pagemap *pgmap;
+	void *group;
+	void *claim;
+};
+
+/**
  * struct fgds_gpu - one GPU, one node /dev/fgds_DDDD_BB_DD_F
  * @dev: the class device; its refcount keeps this structure alive
  * @cdev: the character device, parented to @dev
@@ -128,7 +152,11 @@ struct fgds_geometry {
  * @nr_bytes: bytes counted in sysfs "bytes" and against max_bytes_per_gpu
  * @user_pages: uid -> pages that user has registered on this GPU, against
  *	max_bytes_per_user
- * @pgmap: GENERIC mode: the pagemap fgds created
+ * @chunks: P2PDMA and GENERIC modes: one entry per FGDS_CHUNK_SIZE of the
+ *	BAR, its pages made when a registration first needs them
+ * @made: indexes of the chunks made, in the order they were made (P2PDMA
+ *	state lives in the first one's devres group: torn down last)
+ * @nr_made: entries of @made
  * @order: pages per folio of the provider, as a power of two (GENERIC pages
  *	are 2 MiB folios; all others single pages)
  * @idle_refs: references a page of the provider holds when nobody uses it,
@@ -137,10 +165,8 @@ struct fgds_geometry {
  *	gate last found able to reach this provider's pages; 0 for none
  *	(gate.c; cleared when the provider goes)
  * @memtype_wc: fgds holds a write-combine memory type reservation on the BAR
- * @p2p_claim: P2PDMA mode: kernel address of the whole-BAR genpool claim;
- *	NULL where the pages are large folios, which are not in the genpool
- * @p2p_group: P2PDMA mode: devres group on @pdev holding the P2PDMA resource
- *	if fgds created the device's P2PDMA state itself, else NULL
+ * @p2p_state: P2PDMA mode: the device's P2PDMA state, which fgds created
+ *	with its first chunk; a later chunk is only added to it
  * @holds_lock: protects @holds, @nr_held and every buffer's @holding
  * @holds: exporter's P2PDMA mode: BAR page index -> number of registrations
  *	holding that page
@@ -173,13 +199,14 @@ struct fgds_gpu {
 	unsigned long nr_bufs;
 	u64 nr_bytes;
 	struct xarray user_pages;
-	struct dev_pagemap *pgmap;
+	struct fgds_chunk *chunks;
+	u32 *made;
+	u32 nr_made;
 	unsigned int order;
 	unsigned int idle_refs;
 	u64 gate_diskseq;
 	bool memtype_wc;
-	void *p2p_claim;
-	void *p2p_group;
+	void *p2p_state;
 
 	struct mutex holds_lock; /* see the kernel-doc above */
 	struct xarray holds;
@@ -414,6 +441,8 @@ extern const struct attribute_group *fgds_gpu_groups[];
 /* gpu.c */
 const char *fgds_mode_name(enum fgds_mode mode);
 int fgds_gpu_setup_pages(struct fgds_gpu *gpu);
+int fgds_gpu_make_pages(struct fgds_gpu *gpu, const struct fgds_extent *ext,
+			unsigned int nr_ext);
 void fgds_gpu_drop_pages(struct fgds_gpu *gpu);
 int fgds_gpu_pick_bar(struct pci_dev *pdev);
 int fgds_gpu_check_range(struct fgds_gpu *gpu, pgoff_t bar_pg, pgoff_t n);

@@ -9,10 +9,10 @@
  *  1. the exporter registered P2PDMA pages for the BAR: fgds maps those,
  *     and adds, frees or claims nothing in the exporter's pool;
  *  2. with CONFIG_PCI_P2PDMA, where the GPU's driver keeps no P2PDMA state
- *     of its own, fgds registers P2PDMA pages for the whole BAR in a devres
- *     group it releases itself with the provider (the kernel has no way to
- *     make them but devres on the GPU's device: docs/driver.md, Whose
- *     device), and claims the whole range from the P2PDMA genpool, so no other
+ *     of its own, fgds registers P2PDMA pages for the BAR, each chunk in a
+ *     devres group it releases itself with the provider (the kernel has no way
+ *     to make them but devres on the GPU's device: docs/driver.md, Whose
+ *     device), and claims each chunk from the P2PDMA genpool, so no other
  *     allocator (pci_alloc_p2pmem(), p2pmem/allocate) can hand that memory
  *     out. Where the kernel has pci_p2pdma_add_resource_folios() (the rig's
  *     kernel change p2pdma-folios) the pages are 2 MiB folios, which never
@@ -28,6 +28,13 @@
  *     and every NVMe controller. GENERIC pages look like RAM to GUP, so their
  *     mappings refuse long-term writable pins (see buf.c).
  * The pages= parameter can insist on 2 or 3 (enum fgds_pages).
+ *
+ * In modes 2 and 3 the provider is chosen at setup, but its pages are made a
+ * chunk (FGDS_CHUNK_SIZE) at a time, when a registration first covers part
+ * of the chunk (fgds_gpu_make_pages()), and all go with the provider: what
+ * the memmap costs follows what was registered since the GPU's driver bound,
+ * not the BAR, whose 256 GiB would take 4 GiB of RAM and seconds of an
+ * unprivileged open (docs/driver.md, Page providers).
  *
  * The BAR's geometry is read again at each setup, under the PCI device lock:
  * GPU drivers resize BARs at probe, and root can through sysfs.
@@ -50,9 +57,10 @@
  * in-flight I/O (and pages spliced into a pipe) are the only other
  * references, so "quiet" means "no I/O in flight".
  *
- * In modes 2 and 3 every page of the BAR is fgds's: it takes its reference
- * on every folio when it sets the provider up and gives them back when it
- * tears it down, so a registration costs no per-page work. In mode 1 the
+ * In modes 2 and 3 every page fgds made is fgds's: it takes its reference
+ * on every folio of a chunk when it makes the chunk and gives them back when
+ * it tears the provider down, so a registration costs no per-page work once
+ * its chunks exist. In mode 1 the
  * pages are the exporter's, and fgds holds only those that at least one
  * registration covers, counted per page in gpu->holds.
  *
@@ -120,16 +128,22 @@ static bool fgds_owns_pages(struct fgds_gpu *gpu)
 	return gpu->mode == FGDS_MODE_P2PDMA || gpu->mode == FGDS_MODE_GENERIC;
 }
 
-/*
- * Takes fgds's reference on every folio of the BAR (modes 2 and 3), once per
- * provider: nothing can reach the pages before the provider is published.
- */
-static void fgds_pages_claim(struct fgds_gpu *gpu)
+/* The first and one past the last folio of a chunk (units of gpu->order). */
+static pgoff_t fgds_chunk_unit(struct fgds_gpu *gpu, u32 idx)
 {
-	pgoff_t unit, n = PHYS_PFN(gpu->geo.len) >> gpu->order;
+	return ((pgoff_t)idx * FGDS_CHUNK_PAGES) >> gpu->order;
+}
+
+/*
+ * Takes fgds's reference on every folio of a chunk it has just made (modes
+ * 2 and 3): no registration covers the chunk yet, so nothing reaches them.
+ */
+static void fgds_chunk_claim(struct fgds_gpu *gpu, u32 idx)
+{
+	pgoff_t unit, n = fgds_chunk_unit(gpu, idx + 1);
 	struct folio *folio;
 
-	for (unit = 0; unit < n; unit++) {
+	for (unit = fgds_chunk_unit(gpu, idx); unit < n; unit++) {
 		folio = fgds_unit_folio(gpu, unit);
 		folio_ref_inc(folio);
 		fgds_folio_set_mapping(folio, fgds_mapping);
@@ -138,13 +152,13 @@ static void fgds_pages_claim(struct fgds_gpu *gpu)
 	}
 }
 
-/* Gives back what fgds_pages_claim() took; every folio is quiet. */
-static void fgds_pages_unclaim(struct fgds_gpu *gpu)
+/* Gives back what fgds_chunk_claim() took; every folio is quiet. */
+static void fgds_chunk_unclaim(struct fgds_gpu *gpu, u32 idx)
 {
-	pgoff_t unit, n = PHYS_PFN(gpu->geo.len) >> gpu->order;
+	pgoff_t unit, n = fgds_chunk_unit(gpu, idx + 1);
 	struct folio *folio;
 
-	for (unit = 0; unit < n; unit++) {
+	for (unit = fgds_chunk_unit(gpu, idx); unit < n; unit++) {
 		folio = fgds_unit_folio(gpu, unit);
 		fgds_folio_set_mapping(folio, NULL);
 		/* Never folio_put(): a P2PDMA page would go back to its pool. */
@@ -206,27 +220,6 @@ static void fgds_unreserve_wc(struct fgds_gpu *gpu)
 
 #ifdef CONFIG_PCI_P2PDMA
 /*
- * Claims the whole BAR from the P2PDMA genpool, so that no other allocator
- * can hand its memory out.
- */
-static int fgds_claim_p2pdma(struct fgds_gpu *gpu)
-{
-	struct pci_dev *pdev = gpu->pdev;
-	void *claim = pci_alloc_p2pmem(pdev, gpu->geo.len);
-
-	if (claim != phys_to_virt(gpu->geo.start)) {
-		pci_err(pdev,
-			"fgds: cannot claim all of BAR %d from the P2PDMA pool (another user holds part of it); unload that user and retry\n",
-			gpu->geo.bar);
-		if (claim)
-			pci_free_p2pmem(pdev, claim, gpu->geo.len);
-		return -EBUSY;
-	}
-	gpu->p2p_claim = claim;
-	return 0;
-}
-
-/*
  * The folio order of the P2PDMA pages fgds creates over the BAR: 2 MiB
  * folios where the kernel can make them (pci_p2pdma_add_resource_folios(),
  * the rig's kernel change p2pdma-folios, not upstream) and the BAR is
@@ -241,87 +234,98 @@ static unsigned int fgds_p2pdma_order(struct fgds_gpu *gpu)
 	return 0;
 }
 
-static int fgds_p2pdma_add_resource(struct fgds_gpu *gpu, unsigned int order)
+static int fgds_p2pdma_add_resource(struct fgds_gpu *gpu, u64 offset)
 {
 #ifdef FGDS_HAVE_P2PDMA_ADD_RESOURCE_FOLIOS
-	if (order)
+	if (gpu->order)
 		return pci_p2pdma_add_resource_folios(gpu->pdev, gpu->geo.bar,
-						      0, 0, order);
+						      FGDS_CHUNK_SIZE, offset,
+						      gpu->order);
 #endif
-	return pci_p2pdma_add_resource(gpu->pdev, gpu->geo.bar, 0, 0);
+	return pci_p2pdma_add_resource(gpu->pdev, gpu->geo.bar,
+				       FGDS_CHUNK_SIZE, offset);
 }
 
-/*
- * Claims the memory of P2PDMA pages of @order from the genpool, so that no
- * other allocator can hand it out; large folios never enter the genpool,
- * so there is nothing to claim.
- */
-static int fgds_claim_p2pdma_order(struct fgds_gpu *gpu, unsigned int order)
-{
-	int ret = order ? 0 : fgds_claim_p2pdma(gpu);
-
-	if (!ret)
-		gpu->order = order;
-	return ret;
-}
-
-/*
- * Creating P2PDMA pages puts devres on the GPU's device (the kernel has no
- * other way to make them), so it is only done while a driver is bound (the
- * caller checks: devres present at probe makes the driver core refuse to
- * bind), and only where the device has no P2PDMA state yet: all that
- * pci_p2pdma_add_resource() creates (state, pool, pagemap) goes into one
- * devres group that fgds releases itself, so nothing of fgds's outlives its
- * provider, and no other driver's P2PDMA state ever holds fgds's pages.
- */
 static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
 {
-	unsigned int order = fgds_p2pdma_order(gpu);
+	gpu->order = fgds_p2pdma_order(gpu);
+	gpu->p2p_state = NULL;
+	return 0;
+}
+
+/*
+ * Makes the P2PDMA pages of chunk @idx. Creating them puts devres on the
+ * GPU's device (the kernel has no other way to make them), so it is only
+ * done while a driver is bound (the caller holds the device lock and checked
+ * the provider's generation), and only into P2PDMA state fgds created with
+ * its first chunk: all that pci_p2pdma_add_resource() makes (for the first
+ * chunk the state and the pool too) goes into one devres group per chunk that
+ * fgds releases itself, so nothing of fgds's outlives its provider, and no
+ * other driver's P2PDMA state ever holds fgds's pages. Order-0 pages are then
+ * claimed from the genpool, so that no other allocator can hand them out;
+ * large folios never enter the genpool.
+ */
+static int fgds_p2pdma_make_chunk(struct fgds_gpu *gpu, u32 idx)
+{
+	struct fgds_chunk *chunk = &gpu->chunks[idx];
+	u64 offset = (u64)idx << FGDS_CHUNK_SHIFT;
 	struct pci_dev *pdev = gpu->pdev;
-	void *group;
+	void *group, *claim;
 	int ret;
 
-	if (WARN_ON_ONCE(rcu_access_pointer(pdev->p2pdma)))
+	if (rcu_access_pointer(pdev->p2pdma) != gpu->p2p_state) {
+		pci_err(pdev,
+			"fgds: the GPU's driver set up P2PDMA state of its own after fgds chose P2PDMA pages, and fgds adds no pages to it; unbind and bind the GPU's driver, then register again\n");
 		return -EBUSY;
-	ret = fgds_reserve_wc(gpu);
-	if (ret)
-		return ret;
-	group = devres_open_group(&pdev->dev, NULL, GFP_KERNEL);
-	if (!group) {
-		ret = -ENOMEM;
-		goto err_wc;
 	}
-	ret = fgds_p2pdma_add_resource(gpu, order);
+	group = devres_open_group(&pdev->dev, NULL, GFP_KERNEL);
+	if (!group)
+		return -ENOMEM;
+	ret = fgds_p2pdma_add_resource(gpu, offset);
 	devres_close_group(&pdev->dev, group);
 	if (ret) {
-		pci_err(pdev, "fgds: cannot register P2PDMA pages for BAR %d: %d\n",
-			gpu->geo.bar, ret);
+		pci_err(pdev,
+			"fgds: cannot register P2PDMA pages for BAR %d at %#llx: %d\n",
+			gpu->geo.bar, offset, ret);
 		goto err_group;
 	}
-	ret = fgds_claim_p2pdma_order(gpu, order);
-	if (ret)
-		goto err_group;
-	gpu->p2p_group = group;
+	if (!gpu->order) {
+		claim = pci_alloc_p2pmem(pdev, FGDS_CHUNK_SIZE);
+		if (claim != phys_to_virt(gpu->geo.start + offset)) {
+			pci_err(pdev,
+				"fgds: cannot claim BAR %d at %#llx from the P2PDMA pool (another user holds part of it); unload that user and retry\n",
+				gpu->geo.bar, offset);
+			if (claim)
+				pci_free_p2pmem(pdev, claim, FGDS_CHUNK_SIZE);
+			ret = -EBUSY;
+			goto err_group;
+		}
+		chunk->claim = claim;
+	}
+	chunk->group = group;
+	gpu->p2p_state = rcu_access_pointer(pdev->p2pdma);
 	return 0;
 
 err_group:
 	devres_release_group(&pdev->dev, group);
-err_wc:
-	fgds_unreserve_wc(gpu);
 	return ret;
 }
 
-static void fgds_teardown_p2pdma(struct fgds_gpu *gpu)
+/*
+ * Drops chunk @idx's P2PDMA pages; the chunks made after it are gone already,
+ * so the first one made, which holds the P2PDMA state and its pool, goes
+ * last, when every claim from the pool has been given back.
+ */
+static void fgds_p2pdma_drop_chunk(struct fgds_gpu *gpu, u32 idx)
 {
+	struct fgds_chunk *chunk = &gpu->chunks[idx];
 	struct pci_dev *pdev = gpu->pdev;
 
-	if (gpu->p2p_claim)
-		pci_free_p2pmem(pdev, gpu->p2p_claim, gpu->geo.len);
-	gpu->p2p_claim = NULL;
-	if (gpu->p2p_group)
-		devres_release_group(&pdev->dev, gpu->p2p_group);
-	gpu->p2p_group = NULL;
-	fgds_unreserve_wc(gpu);
+	if (chunk->claim)
+		pci_free_p2pmem(pdev, chunk->claim, FGDS_CHUNK_SIZE);
+	chunk->claim = NULL;
+	devres_release_group(&pdev->dev, chunk->group);
+	chunk->group = NULL;
 }
 #else
 static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
@@ -329,7 +333,12 @@ static int fgds_setup_p2pdma(struct fgds_gpu *gpu)
 	return -EOPNOTSUPP;
 }
 
-static void fgds_teardown_p2pdma(struct fgds_gpu *gpu)
+static int fgds_p2pdma_make_chunk(struct fgds_gpu *gpu, u32 idx)
+{
+	return -EOPNOTSUPP;
+}
+
+static void fgds_p2pdma_drop_chunk(struct fgds_gpu *gpu, u32 idx)
 {
 }
 #endif
@@ -471,9 +480,10 @@ static bool fgds_generic_allowed(struct fgds_gpu *gpu, bool foreign)
  * and before it takes its references (allocation from the genpool leaves
  * the count alone, drivers/pci/p2pdma.c pci_alloc_p2pmem()).
  */
-static unsigned int fgds_own_idle_refs(struct fgds_gpu *gpu)
+static unsigned int fgds_own_idle_refs(struct fgds_gpu *gpu, u32 idx)
 {
-	int refs = folio_ref_count(fgds_unit_folio(gpu, 0));
+	int refs = folio_ref_count(fgds_unit_folio(gpu,
+						   fgds_chunk_unit(gpu, idx)));
 
 	/* Pages fgds has just made: nobody else can hold one. */
 	WARN_ON_ONCE(refs != 0 && refs != 1);
@@ -516,48 +526,135 @@ static int fgds_exporter_idle_refs(struct fgds_gpu *gpu)
 
 static int fgds_setup_generic(struct fgds_gpu *gpu)
 {
-	struct dev_pagemap *pgmap;
-	void *addr;
-	int ret;
-
 	if (!IS_ENABLED(CONFIG_ZONE_DEVICE)) {
 		pci_err(gpu->pdev, "fgds: the kernel has no CONFIG_ZONE_DEVICE\n");
 		return -EOPNOTSUPP;
 	}
-	ret = fgds_reserve_wc(gpu);
-	if (ret)
-		return ret;
-
-	pgmap = kzalloc(sizeof(*pgmap), GFP_KERNEL);
-	if (!pgmap) {
-		ret = -ENOMEM;
-		goto err_wc;
-	}
-	pgmap->range.start = gpu->geo.start;
-	pgmap->range.end = gpu->geo.start + gpu->geo.len - 1;
-	pgmap->nr_range = 1;
-	pgmap->type = MEMORY_DEVICE_GENERIC;
 	/* BARs are aligned to their size, which is at least FGDS_MIN_BAR_SIZE. */
-	if (IS_ALIGNED(gpu->geo.start | gpu->geo.len, PMD_SIZE))
-		pgmap->vmemmap_shift = PMD_SHIFT - PAGE_SHIFT;
-	addr = memremap_pages(pgmap, dev_to_node(&gpu->pdev->dev));
-	if (IS_ERR(addr)) {
-		ret = PTR_ERR(addr);
-		pci_err(gpu->pdev, "fgds: memremap_pages of BAR %d failed: %d\n",
-			gpu->geo.bar, ret);
-		goto err_free;
-	}
-	gpu->pgmap = pgmap;
-	gpu->order = pgmap->vmemmap_shift;
+	gpu->order = IS_ALIGNED(gpu->geo.start | gpu->geo.len, PMD_SIZE) ?
+		     PMD_SHIFT - PAGE_SHIFT : 0;
 	/* GENERIC pages idle at 1 on every kernel (7.x free_zone_device_folio()). */
 	gpu->idle_refs = 1;
 	return 0;
+}
 
-err_free:
-	kfree(pgmap);
-err_wc:
-	fgds_unreserve_wc(gpu);
-	return ret;
+/* Makes the GENERIC pages of chunk @idx: a pagemap of fgds's own, no devres. */
+static int fgds_generic_make_chunk(struct fgds_gpu *gpu, u32 idx)
+{
+	u64 offset = (u64)idx << FGDS_CHUNK_SHIFT;
+	struct dev_pagemap *pgmap;
+	void *addr;
+	int ret;
+
+	pgmap = kzalloc(sizeof(*pgmap), GFP_KERNEL);
+	if (!pgmap)
+		return -ENOMEM;
+	pgmap->range.start = gpu->geo.start + offset;
+	pgmap->range.end = pgmap->range.start + FGDS_CHUNK_SIZE - 1;
+	pgmap->nr_range = 1;
+	pgmap->type = MEMORY_DEVICE_GENERIC;
+	pgmap->vmemmap_shift = gpu->order;
+	addr = memremap_pages(pgmap, dev_to_node(&gpu->pdev->dev));
+	if (IS_ERR(addr)) {
+		ret = PTR_ERR(addr);
+		pci_err(gpu->pdev,
+			"fgds: memremap_pages of BAR %d at %#llx failed: %d\n",
+			gpu->geo.bar, offset, ret);
+		kfree(pgmap);
+		return ret;
+	}
+	gpu->chunks[idx].pgmap = pgmap;
+	return 0;
+}
+
+static void fgds_generic_drop_chunk(struct fgds_gpu *gpu, u32 idx)
+{
+	struct fgds_chunk *chunk = &gpu->chunks[idx];
+
+	memunmap_pages(chunk->pgmap);
+	kfree(chunk->pgmap);
+	chunk->pgmap = NULL;
+}
+
+static bool fgds_chunk_made(struct fgds_gpu *gpu, u32 idx)
+{
+	return gpu->chunks[idx].pgmap || gpu->chunks[idx].group;
+}
+
+static int fgds_make_chunk(struct fgds_gpu *gpu, u32 idx)
+{
+	int ret;
+
+	if (gpu->mode == FGDS_MODE_P2PDMA)
+		ret = fgds_p2pdma_make_chunk(gpu, idx);
+	else
+		ret = fgds_generic_make_chunk(gpu, idx);
+	if (ret)
+		return ret;
+	if (gpu->mode == FGDS_MODE_P2PDMA && !gpu->nr_made)
+		gpu->idle_refs = fgds_own_idle_refs(gpu, idx);
+	fgds_chunk_claim(gpu, idx);
+	gpu->made[gpu->nr_made++] = idx;
+	return 0;
+}
+
+/* Drops every chunk made, the last made first. */
+static void fgds_drop_chunks(struct fgds_gpu *gpu)
+{
+	u32 idx;
+
+	while (gpu->nr_made) {
+		idx = gpu->made[--gpu->nr_made];
+		fgds_chunk_unclaim(gpu, idx);
+		if (gpu->mode == FGDS_MODE_P2PDMA)
+			fgds_p2pdma_drop_chunk(gpu, idx);
+		else
+			fgds_generic_drop_chunk(gpu, idx);
+	}
+	kvfree(gpu->chunks);
+	gpu->chunks = NULL;
+	kvfree(gpu->made);
+	gpu->made = NULL;
+	gpu->p2p_state = NULL;
+}
+
+/**
+ * fgds_gpu_make_pages() - make fgds's pages under a registration
+ * @gpu: the GPU; the PCI device lock and gpu->lock held, and the provider
+ *	the one the registration's extents were checked against
+ * @ext: the registration's extents, inside the BAR
+ * @nr_ext: number of extents
+ *
+ * In modes 2 and 3, makes the pages of every chunk that @ext covers and that
+ * has none yet; they stay until the provider goes. Nothing to do in the
+ * exporter's mode.
+ *
+ * Return: 0, or why a chunk could not be made (logged); the chunks made
+ * before the failure stay.
+ */
+int fgds_gpu_make_pages(struct fgds_gpu *gpu, const struct fgds_extent *ext,
+			unsigned int nr_ext)
+{
+	unsigned int e;
+	u32 idx, last;
+	int ret;
+
+	lockdep_assert_held(&gpu->lock);
+	device_lock_assert(&gpu->pdev->dev);
+	if (!fgds_owns_pages(gpu))
+		return 0;
+	for (e = 0; e < nr_ext; e++) {
+		idx = ext[e].bar_pg / FGDS_CHUNK_PAGES;
+		last = (ext[e].bar_pg + ext[e].npages - 1) / FGDS_CHUNK_PAGES;
+		for (; idx <= last; idx++) {
+			if (fgds_chunk_made(gpu, idx))
+				continue;
+			ret = fgds_make_chunk(gpu, idx);
+			if (ret)
+				return ret;
+		}
+	}
+	return 0;
 }
 
 /*
@@ -576,6 +673,32 @@ static bool fgds_foreign_p2pdma(struct fgds_gpu *gpu)
 }
 
 /*
+ * What modes 2 and 3 share: the BAR's memory type, and the table of its
+ * chunks, none made yet.
+ */
+static int fgds_setup_chunks(struct fgds_gpu *gpu)
+{
+	u32 n = gpu->geo.len >> FGDS_CHUNK_SHIFT;
+	int ret;
+
+	ret = fgds_reserve_wc(gpu);
+	if (ret)
+		return ret;
+	gpu->chunks = kvcalloc(n, sizeof(*gpu->chunks), GFP_KERNEL);
+	gpu->made = kvcalloc(n, sizeof(*gpu->made), GFP_KERNEL);
+	if (!gpu->chunks || !gpu->made) {
+		kvfree(gpu->chunks);
+		gpu->chunks = NULL;
+		kvfree(gpu->made);
+		gpu->made = NULL;
+		fgds_unreserve_wc(gpu);
+		return -ENOMEM;
+	}
+	gpu->nr_made = 0;
+	return 0;
+}
+
+/*
  * Modes 2 and 3 of the top of this file, as pages= allows: P2PDMA pages
  * wherever the kernel has them and the GPU's driver keeps no P2PDMA state
  * of its own (unless pages=generic), GENERIC pages otherwise where fgds
@@ -586,6 +709,7 @@ static int fgds_setup_own_pages(struct fgds_gpu *gpu, enum fgds_mode *mode,
 {
 	int pages = READ_ONCE(fgds_pages);
 	bool foreign = fgds_foreign_p2pdma(gpu);
+	int ret;
 
 	if (pages == FGDS_PAGES_P2PDMA ||
 	    (pages == FGDS_PAGES_AUTO && IS_ENABLED(CONFIG_PCI_P2PDMA) &&
@@ -604,7 +728,8 @@ static int fgds_setup_own_pages(struct fgds_gpu *gpu, enum fgds_mode *mode,
 		*mode = FGDS_MODE_P2PDMA;
 		*why = pages == FGDS_PAGES_P2PDMA ? "pages=p2pdma" :
 		       "the kernel has CONFIG_PCI_P2PDMA";
-		return fgds_setup_p2pdma(gpu);
+		ret = fgds_setup_p2pdma(gpu);
+		return ret ?: fgds_setup_chunks(gpu);
 	}
 	if (!fgds_generic_allowed(gpu, foreign))
 		return -EOPNOTSUPP;
@@ -615,7 +740,8 @@ static int fgds_setup_own_pages(struct fgds_gpu *gpu, enum fgds_mode *mode,
 		*why = "the GPU's driver has its own P2PDMA state; P2P path to every NVMe checked";
 	else
 		*why = "no CONFIG_PCI_P2PDMA, P2P path to every NVMe checked";
-	return fgds_setup_generic(gpu);
+	ret = fgds_setup_generic(gpu);
+	return ret ?: fgds_setup_chunks(gpu);
 }
 
 /**
@@ -720,13 +846,15 @@ int fgds_gpu_setup_pages(struct fgds_gpu *gpu)
 		return ret;
 
 	WRITE_ONCE(gpu->mode, mode);
-	if (mode == FGDS_MODE_P2PDMA)
-		gpu->idle_refs = fgds_own_idle_refs(gpu);
 	if (fgds_owns_pages(gpu))
-		fgds_pages_claim(gpu);
-	pci_info(gpu->pdev, "fgds: %s pages over BAR %d (%pa bytes, %lu KiB folios): %s\n",
-		 fgds_mode_name(mode), gpu->geo.bar, &gpu->geo.len,
-		 PAGE_SIZE << gpu->order >> 10, why);
+		pci_info(gpu->pdev, "fgds: %s pages over BAR %d (%pa bytes, %lu KiB folios), made %llu MiB at a time under registrations: %s\n",
+			 fgds_mode_name(mode), gpu->geo.bar, &gpu->geo.len,
+			 PAGE_SIZE << gpu->order >> 10, FGDS_CHUNK_SIZE >> 20,
+			 why);
+	else
+		pci_info(gpu->pdev, "fgds: %s pages over BAR %d (%pa bytes): %s\n",
+			 fgds_mode_name(mode), gpu->geo.bar, &gpu->geo.len,
+			 why);
 	return 0;
 }
 
@@ -740,24 +868,16 @@ void fgds_gpu_drop_pages(struct fgds_gpu *gpu)
 	lockdep_assert_held(&gpu->lock);
 	if (WARN_ON_ONCE(gpu->nr_held))
 		return;
-	if (fgds_owns_pages(gpu))
-		fgds_pages_unclaim(gpu);
-	switch (gpu->mode) {
-	case FGDS_MODE_GENERIC:
-		memunmap_pages(gpu->pgmap);
-		kfree(gpu->pgmap);
-		gpu->pgmap = NULL;
+	if (fgds_owns_pages(gpu)) {
+		pci_info(gpu->pdev, "fgds: %s pages released (%u MiB of the BAR had them)\n",
+			 fgds_mode_name(gpu->mode),
+			 gpu->nr_made << (FGDS_CHUNK_SHIFT - 20));
+		fgds_drop_chunks(gpu);
 		fgds_unreserve_wc(gpu);
-		break;
-	case FGDS_MODE_P2PDMA:
-		fgds_teardown_p2pdma(gpu);
-		break;
-	default:
-		break;
-	}
-	if (gpu->mode != FGDS_MODE_NONE)
+	} else if (gpu->mode != FGDS_MODE_NONE) {
 		pci_info(gpu->pdev, "fgds: %s pages released\n",
 			 fgds_mode_name(gpu->mode));
+	}
 	gpu->order = 0;
 	WRITE_ONCE(gpu->gate_diskseq, 0);
 	WRITE_ONCE(gpu->mode, FGDS_MODE_NONE);
@@ -1105,6 +1225,19 @@ static ssize_t held_show(struct device *dev, struct device_attribute *attr,
 }
 static DEVICE_ATTR_RO(held);
 
+static ssize_t pages_made_show(struct device *dev,
+			       struct device_attribute *attr, char *buf)
+{
+	struct fgds_gpu *gpu = dev_get_drvdata(dev);
+	u64 n;
+
+	mutex_lock(&gpu->lock);
+	n = (u64)gpu->nr_made << FGDS_CHUNK_SHIFT;
+	mutex_unlock(&gpu->lock);
+	return sysfs_emit(buf, "%llu\n", n);
+}
+static DEVICE_ATTR_RO(pages_made);
+
 static struct attribute *fgds_gpu_attrs[] = {
 	&dev_attr_bar_size.attr,
 	&dev_attr_mode.attr,
@@ -1112,6 +1245,7 @@ static struct attribute *fgds_gpu_attrs[] = {
 	&dev_attr_bytes.attr,
 	&dev_attr_bar.attr,
 	&dev_attr_held.attr,
+	&dev_attr_pages_made.attr,
 	NULL,
 };
 

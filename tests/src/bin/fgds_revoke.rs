@@ -71,6 +71,10 @@ fn main() {
             run: bar_resized_at_probe_is_read_again,
         },
         Case {
+            name: "pages_follow_registrations",
+            run: pages_follow_registrations,
+        },
+        Case {
             name: "unreg_racing_an_invalidation_with_pages_shared",
             run: unreg_racing_an_invalidation_with_pages_shared,
         },
@@ -841,6 +845,128 @@ fn bar_resized_at_probe_is_read_again() -> CaseResult {
         "the BAR is not back to {full} bytes"
     );
     fault::data_check(4 * MIB, 44 * MIB).context("after the BAR was restored")?;
+    ktap::pass()
+}
+
+/// fgds's own pages over the BAR (P2PDMA and GENERIC modes) are made 64 MiB at a time under
+/// registrations, not over the whole BAR at the first open (issue 37, point 5): after a
+/// rebind, an open makes none (sysfs `pages_made`, and for P2PDMA pages the kernel's own
+/// `p2pmem/size`); a registration makes the chunks it covers and no other; a registration
+/// across a chunk boundary reads the drive through the mapping and through fgds's command,
+/// bytes checked; the unbind releases them all. The exporter's pages: none made, ever.
+fn pages_follow_registrations() -> CaseResult {
+    const CHUNK: u64 = 64 * MIB;
+    fault::require_idle()?;
+    let (bdf, drv) = vgpu_driver()?;
+    std::fs::write(drv.join("unbind"), &bdf).context("unbind vgpu")?;
+    rebind_vgpu(&bdf, &drv)?;
+    let p2pmem = std::path::PathBuf::from(format!("/sys/bus/pci/devices/{bdf}/p2pmem/size"));
+    let kernel_p2pmem = || -> anyhow::Result<Option<u64>> {
+        match std::fs::read_to_string(&p2pmem) {
+            Ok(s) => Ok(Some(s.trim().parse().context("p2pmem/size")?)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e).context("p2pmem/size"),
+        }
+    };
+    let node = common::open_node()?;
+    let mode = common::sysfs("mode")?;
+    // Found before the unbind, which takes vgpu's node away but not fgds's.
+    let made_path = common::sysfs_dir()?.join("pages_made");
+    let made = || -> anyhow::Result<u64> {
+        let s = std::fs::read_to_string(&made_path).context("pages_made")?;
+        s.trim().parse().context("pages_made: not a number")
+    };
+    ensure!(made()? == 0, "the open made {} bytes of pages", made()?);
+    if mode == "p2pdma" {
+        let kernel = kernel_p2pmem()?;
+        ensure!(
+            kernel.is_none_or(|n| n == 0),
+            "the open made P2PDMA memory: p2pmem/size {kernel:?}"
+        );
+    }
+    let owned = mode == "p2pdma" || mode == "generic";
+    let vgpu = common::vgpu()?;
+    let mut want = std::collections::BTreeSet::new();
+    let mut cover = |off: u64, len: u64| {
+        if owned {
+            want.extend(off / CHUNK..(off + len - 1) / CHUNK + 1);
+        }
+        want.len() as u64 * CHUNK
+    };
+    let (small, small_off) = common::alloc(&vgpu, 2 * MIB)?;
+    let small_idx = common::reg(&node, small.as_fd(), 0, 2 * MIB)?;
+    let expect = cover(small_off, 2 * MIB);
+    ensure!(
+        made()? == expect,
+        "{mode}: a 2 MiB registration at BAR offset {small_off:#x} made {} bytes of pages, want {expect}",
+        made()?
+    );
+    // 68 MiB cannot lie inside one 64 MiB chunk.
+    let len = CHUNK + 4 * MIB;
+    let (big, big_off) = common::alloc(&vgpu, len)?;
+    let big_idx = common::reg(&node, big.as_fd(), 0, len)?;
+    let expect = cover(big_off, len);
+    ensure!(
+        made()? == expect,
+        "{mode}: after a {len}-byte registration at {big_off:#x}, {} bytes of pages, want {expect}",
+        made()?
+    );
+    if mode == "p2pdma" {
+        let kernel = kernel_p2pmem()?;
+        ensure!(
+            kernel == Some(expect),
+            "p2pmem/size {kernel:?}, want {expect}: the kernel's pool does not match fgds's count"
+        );
+    }
+    // 2 MiB each side of the first chunk boundary inside the buffer, through the mapping and
+    // through fgds's command; the bytes checked in the GPU's memory.
+    let boundary = (big_off / CHUNK + 1) * CHUNK - big_off;
+    let at = boundary - 2 * MIB;
+    let nvme = common::nvme(false)?;
+    let map = Map::shared(&node, big_idx, len as usize)?;
+    let n = common::pread_raw(&nvme, map.at(at as usize), 4 * MIB as usize, 0)
+        .context("pread into the mapping across a chunk boundary")?;
+    ensure!(n == 4 * MIB as usize, "short read {n}");
+    common::check_nvme_pattern(
+        0,
+        &common::gpu_read(big.as_fd(), len as usize, at as usize, 4 * MIB as usize)?,
+    )
+    .context("through the mapping")?;
+    let arg = fgds::uapi::Io {
+        idx: big_idx,
+        offset: at,
+        len: 4 * MIB,
+        file_offset: 8 * MIB,
+        fd: nvme.as_raw_fd(),
+        flags: 0,
+    };
+    let n = common::ioctl_io(&node, false, &arg)
+        .map_err(|e| anyhow::anyhow!("FGDS_IOCTL_READ across a chunk boundary: errno {e}"))?;
+    ensure!(n == 4 * MIB as usize, "short FGDS_IOCTL_READ {n}");
+    common::check_nvme_pattern(
+        8 * MIB,
+        &common::gpu_read(big.as_fd(), len as usize, at as usize, 4 * MIB as usize)?,
+    )
+    .context("through FGDS_IOCTL_READ")?;
+    drop(map);
+    common::unreg(&node, big_idx).context("unreg")?;
+    common::unreg(&node, small_idx).context("unreg")?;
+    ensure!(
+        made()? == expect,
+        "pages went with a registration ({} bytes left, {expect} made): they stay until unbind",
+        made()?
+    );
+    drop((node, small, big));
+    fault::wait_counters_zero("after the registrations")?;
+    std::fs::write(drv.join("unbind"), &bdf).context("unbind vgpu")?;
+    let after = made();
+    let kernel = kernel_p2pmem()?;
+    rebind_vgpu(&bdf, &drv)?;
+    ensure!(after? == 0, "the unbind left pages made");
+    ensure!(
+        kernel.is_none_or(|n| n == 0),
+        "the unbind left P2PDMA memory: p2pmem/size {kernel:?}"
+    );
     ktap::pass()
 }
 
