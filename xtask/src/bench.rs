@@ -782,7 +782,7 @@ fn markdown(rows: &[Value], registration: Option<&Value>) -> String {
 }
 
 /// The registration target's figure, counting what a program pays the first time: the GPU's
-/// page provider (set up by the first open of its node since its driver bound) and the first
+/// page provider (chosen by the first open of its node since its driver bound) and the first
 /// registration after boot, with the later registrations' cost beside it.
 fn registration_line(reg: &Value) -> String {
     let f = |k: &str| reg[k].as_f64().unwrap_or(0.0);
