@@ -409,7 +409,8 @@ static const char *fgds_generic_unsafe(struct fgds_gpu *gpu,
 	for_each_pci_dev(pdev) {
 		const char *why;
 
-		if ((pdev->class >> 8) != PCI_CLASS_STORAGE_EXPRESS)
+		/* Any NVM Express controller (class 01h, subclass 08h). */
+		if ((pdev->class >> 8) != (PCI_CLASS_STORAGE_EXPRESS >> 8))
 			continue;
 		why = fgds_generic_dev_unsafe(gpu, pdev);
 		if (!why)

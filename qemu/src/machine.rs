@@ -53,6 +53,9 @@ pub struct Config {
     pub far_image: Option<PathBuf>,
     pub gpu_backing: PathBuf,
     pub gpu_bytes: u64,
+    /// A second GPU behind a switch of its own, with a drive of its own beside it (`--gpus 2`);
+    /// with `iommu`, each on a root port of its own.
+    pub second_gpu: Option<SecondGpu>,
     /// I/O errors the drive returns at fixed sectors.
     pub nvme_errors: Vec<InjectError>,
     /// The first NVMe controller's `mdts`, where not QEMU's default (7: 512 KiB per command).
@@ -62,6 +65,16 @@ pub struct Config {
     /// Where the console log, the KTAP log, the QEMU log and the QMP socket go.
     pub run_dir: PathBuf,
 }
+
+/// The second GPU's memory (the same size as the first's) and its drive's image.
+pub struct SecondGpu {
+    pub backing: PathBuf,
+    pub drive_image: PathBuf,
+}
+
+/// QEMU's ids of the second GPU and of the drive beside it (serial `fgds3`).
+pub const GPU1_ID: &str = "gpu1";
+pub const NVME3_ID: &str = "nvme3";
 
 /// The files of one run, under [`Config::run_dir`].
 pub struct RunFiles {
@@ -306,7 +319,61 @@ pub fn args(config: &Config) -> Vec<String> {
         "-device",
         &format!("ivshmem-plain,id={GPU_ID},memdev=vram0,bus={GPU_BUS}"),
     ]);
+    if let Some(second) = &config.second_gpu {
+        second_gpu_args(config, second, &mut push);
+    }
     args
+}
+
+/// The second GPU and its drive: behind a second switch (its own root port, upstream port
+/// and two downstream ports), so that each GPU has a drive it reaches peer-to-peer and one it
+/// reaches only through the host bridge; with a vIOMMU, on root ports of their own like every
+/// other device. Enumerated after the first switch, so the first GPU keeps the lower address.
+fn second_gpu_args(config: &Config, second: &SecondGpu, push: &mut impl FnMut(&[&str])) {
+    let (gpu_port, drive_port) = ("gpu1port", "dn4");
+    if config.iommu {
+        for (i, port) in [gpu_port, drive_port].iter().enumerate() {
+            push(&[
+                "-device",
+                &format!(
+                    "pcie-root-port,id={port},bus=pcie.0,chassis={},slot={}",
+                    i + 13,
+                    i + 13
+                ),
+            ]);
+        }
+    } else {
+        push(&[
+            "-device",
+            "pcie-root-port,id=rp1,bus=pcie.0,chassis=10,slot=10",
+        ]);
+        push(&["-device", "x3130-upstream,id=up1,bus=rp1"]);
+        for (i, port) in [gpu_port, drive_port].iter().enumerate() {
+            push(&[
+                "-device",
+                &format!(
+                    "xio3130-downstream,id={port},bus=up1,chassis={},slot=0",
+                    i + 11
+                ),
+            ]);
+        }
+    }
+    push(&[
+        "-blockdev",
+        &raw_blockdev("nvme3-disk", &second.drive_image),
+    ]);
+    push(&[
+        "-device",
+        &format!("nvme,id={NVME3_ID},serial=fgds3,drive=nvme3-disk,bus={drive_port}"),
+    ]);
+    push(&[
+        "-object",
+        &gpu_memory_backend("vram1", config.gpu_bytes, &second.backing),
+    ]);
+    push(&[
+        "-device",
+        &format!("ivshmem-plain,id={GPU1_ID},memdev=vram1,bus={gpu_port}"),
+    ]);
 }
 
 /// The vCPU model: the host's under KVM; under TCG `qemu64` (AMD, family 15), or with a
@@ -596,6 +663,7 @@ mod tests {
             far_image: None,
             gpu_backing: "gpu".into(),
             gpu_bytes: 1 << 28,
+            second_gpu: None,
             nvme_errors: Vec::new(),
             nvme_mdts: None,
             iommu: false,

@@ -497,3 +497,25 @@ pub fn map_readonly_checked(node: &File, idx: u64, len: usize) -> anyhow::Result
     );
     Ok(map)
 }
+
+/// `FGDS_IOCTL_CHECK_FILE` as given: the answer or the errno.
+pub fn check_file_raw(node: &File, idx: u64, fd: i32, flags: u32) -> Result<uapi::CheckFile, i32> {
+    let mut arg = uapi::CheckFile {
+        idx,
+        fd,
+        flags,
+        ..uapi::CheckFile::default()
+    };
+    // SAFETY: `CheckFile` is `struct fgds_check_file`, read and written in place.
+    if unsafe {
+        libc::ioctl(
+            node.as_raw_fd(),
+            uapi::IOCTL_CHECK_FILE as _,
+            &mut arg as *mut uapi::CheckFile,
+        )
+    } != 0
+    {
+        return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0));
+    }
+    Ok(arg)
+}

@@ -16,6 +16,8 @@ pub struct CiRun {
     pub exporter: &'static str,
     /// The rig's translating vIOMMU (vfio needs it).
     pub iommu: bool,
+    /// GPUs in the machine (`--gpus`).
+    pub gpus: u8,
     /// The suite's programs to run; empty: all of them.
     pub only: &'static [&'static str],
     /// A third-party series of `../shared/comparators/` the kernel is built with: where the
@@ -30,12 +32,13 @@ pub struct CiRun {
 /// LTS under KASAN, lockdep and fault injection), the programs that touch the pages and the
 /// data where only the page kind differs, and single programs where a configuration proves
 /// one thing.
-pub const CI_RUNS: [CiRun; 7] = [
+pub const CI_RUNS: [CiRun; 9] = [
     CiRun {
         kernel: "debian:6.12",
         pages: "auto",
         exporter: "vgpu",
         iommu: false,
+        gpus: 1,
         only: &[],
         comparator: None,
         proves: "the LTS users run: GENERIC pages (no CONFIG_PCI_P2PDMA), everything",
@@ -45,6 +48,7 @@ pub const CI_RUNS: [CiRun; 7] = [
         pages: "auto",
         exporter: "vgpu",
         iommu: false,
+        gpus: 1,
         only: &[],
         comparator: None,
         proves: "the newest kernel: P2PDMA pages, DMABUF_DEBUG, everything",
@@ -54,6 +58,7 @@ pub const CI_RUNS: [CiRun; 7] = [
         pages: "generic",
         exporter: "vgpu",
         iommu: false,
+        gpus: 1,
         only: &[
             "fgds_data",
             "fgds_lifetime",
@@ -71,6 +76,7 @@ pub const CI_RUNS: [CiRun; 7] = [
         pages: "auto",
         exporter: "vgpu",
         iommu: false,
+        gpus: 1,
         only: &[],
         comparator: None,
         proves: "KASAN, lockdep, kmemleak and fault injection (built once from linux-source, \
@@ -81,6 +87,7 @@ pub const CI_RUNS: [CiRun; 7] = [
         pages: "auto",
         exporter: "vfio",
         iommu: true,
+        gpus: 1,
         only: &["fgds_vfio", "fgds_python"],
         comparator: None,
         proves: "vfio-pci as the exporter (an exporter nobody here wrote), under the vIOMMU: fgds \
@@ -91,15 +98,39 @@ pub const CI_RUNS: [CiRun; 7] = [
         pages: "generic",
         exporter: "vgpu",
         iommu: true,
+        gpus: 1,
         only: &["fgds_badinput"],
         comparator: None,
         proves: "GENERIC pages under a translating IOMMU are refused (unsafe_setup_refused)",
+    },
+    CiRun {
+        kernel: "debian:6.12",
+        pages: "auto",
+        exporter: "vgpu",
+        iommu: false,
+        gpus: 2,
+        only: &["fgds_gpus"],
+        comparator: None,
+        proves: "two GPUs behind switches of their own, each with its drive: GENERIC pages \
+                 refused for both, naming the drive out of each one's reach",
+    },
+    CiRun {
+        kernel: "debian:7.3",
+        pages: "auto",
+        exporter: "vgpu",
+        iommu: false,
+        gpus: 2,
+        only: &["fgds_gpus"],
+        comparator: None,
+        proves: "two GPUs behind switches of their own, each with its drive: P2PDMA pages, each \
+                 GPU reads its own drive directly, across the switches refused",
     },
     CiRun {
         kernel: "build:7.2+io-uring-dmabuf",
         pages: "auto",
         exporter: "vgpu",
         iommu: false,
+        gpus: 1,
         only: &["uring_dmabuf", "fgds_crate"],
         comparator: Some("io-uring-dmabuf-v3"),
         proves: "the upstream design (Begunkov's io_uring dma-buf series, built from \
@@ -204,6 +235,7 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
                 pages: "auto",
                 exporter: "vgpu",
                 iommu: false,
+                gpus: 1,
                 only: &[],
                 comparator: None,
                 proves: "given on the command line",
@@ -216,12 +248,13 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
         let vm_opts = vm::Options {
             fgds_pages: run.pages.to_owned(),
             iommu: run.iommu,
+            gpus: run.gpus,
             exporter: run.exporter.to_owned(),
             only: run.only.iter().map(|p| (*p).to_owned()).collect(),
             ..vm::Options::for_kernel(run.kernel)
         };
         let label = format!(
-            "{} pages={}{}{}",
+            "{} pages={}{}{}{}",
             run.kernel,
             run.pages,
             if run.exporter == "vgpu" {
@@ -229,7 +262,12 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
             } else {
                 format!(" {}", run.exporter)
             },
-            if run.iommu { " iommu" } else { "" }
+            if run.iommu { " iommu" } else { "" },
+            if run.gpus > 1 {
+                format!(" gpus={}", run.gpus)
+            } else {
+                String::new()
+            }
         );
         eprintln!("ci: {label}: {}", run.proves);
         if let Some(series) = run.comparator {

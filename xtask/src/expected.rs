@@ -119,6 +119,8 @@ pub struct RunConfig {
     pub vgpu_mode: VgpuMode,
     pub iommu: bool,
     pub exporter: Exporter,
+    /// GPUs in the machine (`--gpus`).
+    pub gpus: u8,
 }
 
 /// A condition of a row.
@@ -134,6 +136,8 @@ pub enum When {
     VgpuMode(VgpuMode),
     Iommu(bool),
     Exporter(Exporter),
+    /// The machine has fewer GPUs than this.
+    GpusBelow(u8),
     /// fgds's mode, as [`MODES`] gives it, is one of these (not for rows of [`MODES`]).
     Mode(&'static [Mode]),
     /// The kernel is not a `build:` kernel with this change of kernel-patches/.
@@ -155,8 +159,9 @@ pub struct ModeRow {
 /// docs/driver.md, Page providers. vfio-pci registers no P2PDMA pages for the BAR it exports
 /// (its dma-bufs carry addresses only) but keeps P2PDMA state of its own, as vgpu's `provider`
 /// mode does: fgds adds no pages to another driver's P2PDMA state, so it makes GENERIC pages of
-/// its own where they are safe (no vIOMMU) and refuses otherwise (always for vfio-pci, which
-/// needs the vIOMMU).
+/// its own where they are safe (no vIOMMU, and every NVMe controller behind the GPU's switch:
+/// `--gpus 2` puts a drive behind each GPU's own switch, out of the other's reach) and refuses
+/// otherwise (always for vfio-pci, which needs the vIOMMU).
 pub const MODES: &[ModeRow] = &[
     // The exporter registered P2PDMA pages for its BAR: fgds reuses them, whatever `pages=`.
     ModeRow {
@@ -167,7 +172,11 @@ pub const MODES: &[ModeRow] = &[
         mode: Mode::ExporterP2pdma,
     },
     ModeRow {
-        when: &[When::Pages(Pages::Generic), When::Iommu(false)],
+        when: &[
+            When::Pages(Pages::Generic),
+            When::Iommu(false),
+            When::GpusBelow(2),
+        ],
         mode: Mode::Generic,
     },
     ModeRow {
@@ -186,7 +195,11 @@ pub const MODES: &[ModeRow] = &[
         mode: Mode::Refused,
     },
     ModeRow {
-        when: &[When::VgpuMode(VgpuMode::Provider), When::Iommu(false)],
+        when: &[
+            When::VgpuMode(VgpuMode::Provider),
+            When::Iommu(false),
+            When::GpusBelow(2),
+        ],
         mode: Mode::Generic,
     },
     ModeRow {
@@ -206,7 +219,11 @@ pub const MODES: &[ModeRow] = &[
         mode: Mode::P2pdma,
     },
     ModeRow {
-        when: &[When::Pages(Pages::Auto), When::Iommu(false)],
+        when: &[
+            When::Pages(Pages::Auto),
+            When::Iommu(false),
+            When::GpusBelow(2),
+        ],
         mode: Mode::Generic,
     },
     ModeRow {
@@ -418,6 +435,17 @@ pub const SKIPS: &[Skip] = &[
         reason: "this kernel's tmpfs takes no O_DIRECT",
         why: "tmpfs opens files O_DIRECT from Linux 6.6; fgds_gate checks the refusal of other \
               files fgds cannot reach on every kernel",
+    },
+    Skip {
+        cases: &[
+            "fgds_gpus::each_gpu_reads_its_own_drive_directly",
+            "fgds_gpus::reads_across_switches_take_the_topology_path",
+        ],
+        when: &[When::GpusBelow(2)],
+        reason: "one GPU in this machine",
+        why: "two GPUs behind switches of their own need `--gpus 2`, a machine of its own (its \
+              second switch's drive would make fgds refuse GENERIC pages for the first GPU); CI \
+              boots it on debian:6.12 and debian:7.3 for fgds_gpus alone",
     },
     Skip {
         cases: &["fgds_gate::md_raid0_over_two_drives"],
@@ -635,6 +663,7 @@ impl RunConfig {
                 "vfio" => Exporter::Vfio,
                 other => anyhow::bail!("--exporter {other}: use vgpu or vfio"),
             },
+            gpus: 1,
         })
     }
 
@@ -658,6 +687,7 @@ impl RunConfig {
             When::Pages(pages) => self.pages == pages,
             When::VgpuMode(mode) => self.vgpu_mode == mode,
             When::Iommu(on) => self.iommu == on,
+            When::GpusBelow(n) => self.gpus < n,
             When::Exporter(exporter) => self.exporter == exporter,
             When::Mode(modes) => mode(self).is_ok_and(|m| modes.contains(&m)),
             When::Unpatched(name) => !self.holds(&When::Patched(name)),
@@ -914,6 +944,7 @@ mod tests {
             vgpu_mode: VgpuMode::Plain,
             iommu,
             exporter: Exporter::Vgpu,
+            gpus: 1,
         }
     }
 

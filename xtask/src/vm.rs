@@ -79,6 +79,10 @@ pub struct Options {
     /// with CONFIG_VFIO_PCI_DMABUF; vgpu is not loaded).
     #[arg(long, default_value = "vgpu", value_parser = expected::EXPORTERS)]
     pub exporter: String,
+    /// GPUs in the machine: 1, or 2 (the second behind a switch of its own with a drive of its
+    /// own, serial fgds3; fgds_gpus's machine).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
+    pub gpus: u8,
     /// Run no suite program, only the --exec ones.
     #[arg(long)]
     pub no_suite: bool,
@@ -105,6 +109,7 @@ impl Options {
             exporter: "vgpu".to_owned(),
             append: String::new(),
             gpu_bytes: pattern::GPU_MEMORY_BYTES,
+            gpus: 1,
             programs: Vec::new(),
             nvme_mdts: None,
             filesystems: false,
@@ -223,6 +228,9 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
     if opts.dkms {
         label.push_str("-dkms");
     }
+    if opts.gpus > 1 {
+        label = format!("{label}-gpus{}", opts.gpus);
+    }
     let (run_dir, lock) = claim_run_dir(&crate::project_root().join("target/vm"), &label)?;
     eprintln!(
         "test-vm: {} (artifacts in {})",
@@ -240,13 +248,16 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
         display_version(&kernel.package_version)
     );
 
-    let run_config = RunConfig::new(
-        &kernel,
-        &opts.fgds_pages,
-        &opts.vgpu_mode,
-        opts.iommu,
-        &opts.exporter,
-    )?;
+    let run_config = RunConfig {
+        gpus: opts.gpus,
+        ..RunConfig::new(
+            &kernel,
+            &opts.fgds_pages,
+            &opts.vgpu_mode,
+            opts.iommu,
+            &opts.exporter,
+        )?
+    };
     let vfio = run_config.exporter == expected::Exporter::Vfio;
     let expected_mode = expected::mode(&run_config)?;
 
@@ -415,7 +426,8 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         run_dir,
         opts.gpu_bytes,
         pattern::NVME_IMAGE_BYTES
-            + 3 * disk::SMALL_DRIVE_BYTES
+            + 4 * disk::SMALL_DRIVE_BYTES
+            + if opts.gpus > 1 { opts.gpu_bytes } else { 0 }
             + disk::XFS_DRIVE_BYTES
             + disk::BTRFS_DRIVE_BYTES,
     )?;
@@ -440,6 +452,14 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
     } else {
         None
     };
+    let second_gpu = if opts.gpus > 1 {
+        Some(machine::SecondGpu {
+            backing: memory.drive("gpu1.mem")?,
+            drive_image: memory.drive("nvme3.img")?,
+        })
+    } else {
+        None
+    };
     phases.run("image", || {
         disk::write_nvme_image(&nvme_image)?;
         disk::write_gpu_backing(&gpu_backing, opts.gpu_bytes)?;
@@ -451,6 +471,10 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         disk::write_gpu_backing(&nvme2_image, disk::SMALL_DRIVE_BYTES)?;
         if let Some(far) = &far_image {
             disk::write_gpu_backing(far, disk::SMALL_DRIVE_BYTES)?;
+        }
+        if let Some(second) = &second_gpu {
+            disk::write_gpu_backing(&second.backing, opts.gpu_bytes)?;
+            disk::write_gpu_backing(&second.drive_image, disk::SMALL_DRIVE_BYTES)?;
         }
         Ok(())
     })?;
@@ -490,6 +514,7 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         nvme_image,
         gpu_backing: gpu_backing.clone(),
         gpu_bytes: opts.gpu_bytes,
+        second_gpu,
         nvme_errors: nvme_errors(),
         nvme_mdts: opts.nvme_mdts,
         iommu: opts.iommu,

@@ -490,35 +490,13 @@ const PATH_NOT_O_DIRECT: u32 = 9;
 /// DMA (`DDDD:BB:DD.F`) where the driver found one.
 fn check_file(reg: &Reg, fd: i32, write: bool) -> anyhow::Result<(u32, Option<String>)> {
     let flags = if write { uapi::CHECK_WRITE } else { 0 };
-    let arg = check_file_raw(&reg.node, reg.idx, fd, flags).map_err(|e| {
+    let arg = common::check_file_raw(&reg.node, reg.idx, fd, flags).map_err(|e| {
         anyhow::anyhow!(
             "FGDS_IOCTL_CHECK_FILE: {}",
             std::io::Error::from_raw_os_error(e)
         )
     })?;
     Ok((arg.path, arg.dma_dev()))
-}
-
-/// `FGDS_IOCTL_CHECK_FILE` as given: the answer or the errno.
-fn check_file_raw(node: &File, idx: u64, fd: i32, flags: u32) -> Result<uapi::CheckFile, i32> {
-    let mut arg = uapi::CheckFile {
-        idx,
-        fd,
-        flags,
-        ..uapi::CheckFile::default()
-    };
-    // SAFETY: `CheckFile` is `struct fgds_check_file`, read and written in place.
-    if unsafe {
-        libc::ioctl(
-            node.as_raw_fd(),
-            uapi::IOCTL_CHECK_FILE as _,
-            &mut arg as *mut uapi::CheckFile,
-        )
-    } != 0
-    {
-        return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0));
-    }
-    Ok(arg)
 }
 
 /// The crate's [`fgds::GpuFile`] reads `path` (4 MiB of a pattern written through RAM first)
@@ -1080,14 +1058,14 @@ fn check_file_names_the_path() -> CaseResult {
         ("no such token", reg.idx + (1 << 30), fd, 0, libc::ENOENT),
         ("no such file", reg.idx, -1, 0, libc::EBADF),
     ] {
-        let got = check_file_raw(&reg.node, idx, fd, flags).err();
+        let got = common::check_file_raw(&reg.node, idx, fd, flags).err();
         ensure!(
             got == Some(want),
             "FGDS_IOCTL_CHECK_FILE with {what}: errno {got:?}, want {want}"
         );
     }
     common::revoke(reg.bar_off)?;
-    let got = check_file_raw(&reg.node, reg.idx, fd, 0).err();
+    let got = common::check_file_raw(&reg.node, reg.idx, fd, 0).err();
     ensure!(
         got == Some(libc::ENODEV),
         "FGDS_IOCTL_CHECK_FILE of a revoked registration: errno {got:?}, want ENODEV"

@@ -10,7 +10,7 @@
 //! `module <kernel|rig> <path> [params]`, `bind <device> <driver>` (binds a PCI device to a
 //! driver with `driver_override`, between module loads, in plan order), `test <name> <path>
 //! <timeout-seconds>` and `env <NAME> <value>` (set for every test). In module params and bind
-//! lines `@ivshmem@` stands for the fake GPU's PCI address.
+//! lines `@ivshmem@` stands for the fake GPUs' PCI addresses (comma-separated, in address order).
 //!
 //! Tests get the rig's drives in their environment: `FGDS_NVME` (the raw drive: the pattern,
 //! then scratch), `FGDS_EXT4` (where an ext4 filesystem on a second namespace is mounted) and
@@ -261,7 +261,8 @@ fn open_ktap_port() -> anyhow::Result<File> {
 }
 
 fn load_modules(steps: &[Step]) -> anyhow::Result<()> {
-    let ivshmem = find_pci_device("0x1af4", "0x1110");
+    // Every fake GPU (`--gpus 2` gives two), in address order: the first is the rig's GPU.
+    let ivshmem = Some(find_pci_devices("0x1af4", "0x1110").join(",")).filter(|s| !s.is_empty());
     let mut loaded = String::new();
     let mut errors = Vec::new();
     for step in steps {
@@ -278,8 +279,10 @@ fn load_modules(steps: &[Step]) -> anyhow::Result<()> {
                     }
                     (_, other) => other.to_owned(),
                 };
-                if let Err(err) = bind(&device, driver) {
-                    errors.push(format!("{err:#}"));
+                for device in device.split(',') {
+                    if let Err(err) = bind(device, driver) {
+                        errors.push(format!("{err:#}"));
+                    }
                 }
                 continue;
             }
@@ -524,15 +527,20 @@ fn set_nomerges(dev: &str) -> Result<(), String> {
     fs::write(&path, "2").map_err(|err| format!("cannot write 2 to {path}: {err}"))
 }
 
-fn find_pci_device(vendor: &str, device: &str) -> Option<String> {
-    let entries = fs::read_dir("/sys/bus/pci/devices").ok()?;
-    for entry in entries.flatten() {
-        let read = |attr: &str| fs::read_to_string(entry.path().join(attr)).unwrap_or_default();
-        if read("vendor").trim() == vendor && read("device").trim() == device {
-            return Some(entry.file_name().to_string_lossy().into_owned());
-        }
-    }
-    None
+fn find_pci_devices(vendor: &str, device: &str) -> Vec<String> {
+    let Ok(entries) = fs::read_dir("/sys/bus/pci/devices") else {
+        return Vec::new();
+    };
+    let mut found = entries
+        .flatten()
+        .filter(|entry| {
+            let read = |attr: &str| fs::read_to_string(entry.path().join(attr)).unwrap_or_default();
+            read("vendor").trim() == vendor && read("device").trim() == device
+        })
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        .collect::<Vec<_>>();
+    found.sort();
+    found
 }
 
 fn run_test(
