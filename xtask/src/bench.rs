@@ -63,6 +63,15 @@ pub struct Options {
     /// xfs and btrfs and on the raw namespace (`target/bench/<kernel>-files.md`).
     #[arg(long, conflicts_with_all = ["quick", "profile"])]
     pub files: bool,
+    /// NVMe drives behind the GPU's switch (as for test-vm; each of the second's 128 MiB).
+    #[arg(long, default_value_t = vm::DEFAULT_DRIVES, value_parser = clap::value_parser!(u8).range(1..=fgds_qemu::machine::MAX_DRIVES as i64))]
+    pub drives: u8,
+    /// Several drives instead of the grid: md RAID0 over the first 1, 2, 4 (and 8) of the
+    /// `--drives`, `ram` against `direct-mapped` (the registration's mapped address: fgds's own
+    /// commands refuse md) at 1 and 4 MiB, depth 32, aggregate and per drive
+    /// (`target/bench/<kernel>-raid0.md`).
+    #[arg(long, conflicts_with_all = ["quick", "profile", "files"])]
+    pub raid0: bool,
 }
 
 pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
@@ -87,6 +96,9 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
     }
     if opts.files {
         return files(opts);
+    }
+    if opts.raid0 {
+        return raid0(opts);
     }
     // `auto`: the headline runs with vgpu's memory as plain VRAM (fgds's own pages, as with a
     // real GPU); upstream's p2pmem needs P2PDMA pages the exporter publishes, so it gets a
@@ -270,6 +282,8 @@ fn boot(opts: &Options, vgpu_mode: &str, set: &str) -> anyhow::Result<vm::Kernel
                 "profile"
             } else if opts.files {
                 "files"
+            } else if opts.raid0 {
+                "raid0"
             } else {
                 "full"
             },
@@ -288,6 +302,7 @@ fn boot(opts: &Options, vgpu_mode: &str, set: &str) -> anyhow::Result<vm::Kernel
         nvme_mdts: Some(0),
         iommu: opts.iommu,
         filesystems: opts.files,
+        drives: opts.drives,
         ..vm::Options::for_kernel(&opts.kernel)
     })
 }
@@ -346,6 +361,129 @@ fn files(opts: &Options) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// `cargo xtask bench --drives N --raid0`: one boot, md RAID0 over 1, 2, 4 (and 8) drives,
+/// `ram` against `direct-mapped`, a table (`target/bench/<kernel>-raid0.md` and `.json`). Fails
+/// where `direct-mapped` was refused (the reason is printed), where a mode's requests did not
+/// all reach the drives, or where the host's pages are not the documented ones.
+fn raid0(opts: &Options) -> anyhow::Result<ExitCode> {
+    let run = boot(opts, &opts.vgpu_mode.replace("auto", "plain"), "raid0")?;
+    let (rows, _, _) = collect(&run)?;
+    let mut passed = crate::report::print(run.outcomes.clone());
+    if rows.is_empty() {
+        bail!("the guest measured nothing (see {})", run.run_dir.display());
+    }
+    let table = raid0_table(&rows, &run.spec, &run.release, opts.drives);
+    println!("{table}");
+    for row in rows.iter().filter(|r| r["refused"].is_string()) {
+        eprintln!(
+            "bench: direct-mapped on {} over {} drive(s), {}: refused: {}",
+            row["array"].as_str().unwrap_or("?"),
+            row["drives"],
+            human(row["block_size"].as_u64().unwrap_or(0)),
+            row["refused"].as_str().unwrap_or("?")
+        );
+        passed = false;
+    }
+    let unseen = rows
+        .iter()
+        .filter(|r| r["requests_per_io"].as_f64().is_some_and(|q| q < 0.99))
+        .count();
+    if unseen > 0 {
+        eprintln!(
+            "bench: in {unseen} row(s) the drives completed fewer requests than the mode made, so \
+             its bytes did not all move (target/bench/*-raid0.json, requests_per_io)"
+        );
+        passed = false;
+    }
+    let backing = backing_problems(&rows);
+    for problem in backing.iter().take(5) {
+        eprintln!(
+            "bench: host backing differs from docs/performance.md's configuration: {problem}"
+        );
+    }
+    passed &= backing.is_empty();
+    let out_dir = crate::project_root().join("target/bench");
+    std::fs::create_dir_all(&out_dir)?;
+    let label = run.spec.replace(':', "-");
+    std::fs::write(out_dir.join(format!("{label}-raid0.md")), &table)?;
+    std::fs::write(
+        out_dir.join(format!("{label}-raid0.json")),
+        serde_json::to_string_pretty(&rows)?,
+    )?;
+    println!("wrote {label}-raid0.md and .json in {}", out_dir.display());
+    Ok(if passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// The several-drives table: per array and block size, `ram` and `direct-mapped` in MiB/s
+/// (aggregate, and per drive), their ratio in the same turns, `ram-again`'s (the noise), and
+/// the requests the drives completed per I/O.
+fn raid0_table(rows: &[Value], spec: &str, release: &str, drives: u8) -> String {
+    let mut points: BTreeMap<(u64, u64), BTreeMap<String, &Value>> = BTreeMap::new();
+    for row in rows.iter().filter(|r| r["set"] == "raid0") {
+        let key = (
+            row["drives"].as_u64().unwrap_or_default(),
+            row["block_size"].as_u64().unwrap_or_default(),
+        );
+        let mode = row["mode"].as_str().unwrap_or_default().to_owned();
+        points.entry(key).or_default().insert(mode, row);
+    }
+    let chunk = rows
+        .iter()
+        .find_map(|r| r["chunk"].as_u64())
+        .map_or("?".to_owned(), human);
+    let mut table = format!(
+        "`cargo xtask bench --drives {drives} --raid0 --kernel {spec}` (`{release}`): md RAID0 \
+         (no superblock, {chunk} chunks) over the same 64 MiB of each of the first drives, reads \
+         at depth 32; `direct`: `direct-mapped`, io_uring `READ` into the registration's mapped \
+         address (fgds's own commands refuse md); `ram`: `READ_FIXED` into huge pages; 5 \
+         repetitions of 1 s, the modes taking turns. MiB/s; ratios paired by turns; requests: \
+         what the drives completed per I/O.\n\n\
+         | drives | size | ram MiB/s | direct MiB/s | direct/ram | ram-again/ram | per drive: ram, direct MiB/s | requests per I/O: ram, direct |\n\
+         |---:|---|---:|---:|---:|---:|---:|---:|\n"
+    );
+    for ((n, bs), modes) in &points {
+        let rate = |m: &str| modes.get(m).and_then(|r| r["mib_s"].as_f64());
+        let array = modes
+            .values()
+            .find_map(|r| r["array"].as_str())
+            .unwrap_or("?");
+        let drives = if array == "raw" {
+            format!("{n} (raw)")
+        } else {
+            n.to_string()
+        };
+        let ratio = |m: &str| fmt_ratio(modes.get(m).and_then(|r| r["ratio_to_ram"].as_f64()));
+        let direct = match (modes.get("direct-mapped"), rate("direct-mapped")) {
+            (_, Some(d)) => format!("{d:.0}"),
+            (Some(r), None) => format!("refused: {}", r["refused"].as_str().unwrap_or("?")),
+            _ => "-".to_owned(),
+        };
+        let per = |m: &str| rate(m).map_or("-".to_owned(), |r| format!("{:.0}", r / *n as f64));
+        let requests = |m: &str| {
+            modes
+                .get(m)
+                .and_then(|r| r["requests_per_io"].as_f64())
+                .map_or("-".to_owned(), |q| format!("{q:.1}"))
+        };
+        table.push_str(&format!(
+            "| {drives} | {} | {} | {direct} | {} | {} | {}, {} | {}, {} |\n",
+            human(*bs),
+            rate("ram").map_or("-".to_owned(), |r| format!("{r:.0}")),
+            ratio("direct-mapped"),
+            ratio("ram-again"),
+            per("ram"),
+            per("direct-mapped"),
+            requests("ram"),
+            requests("direct-mapped"),
+        ));
+    }
+    table
 }
 
 /// A boot's `# fgds-bench:` rows: the grid's, the registration cost's and the profiles.

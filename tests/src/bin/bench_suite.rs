@@ -36,7 +36,145 @@ fn main() {
             name: "files",
             run: files,
         },
+        Case {
+            name: "raid0",
+            run: raid0,
+        },
     ])
+}
+
+/// Where each drive's part of an array starts: past the raw drive's pattern (its first 64 MiB)
+/// and clear of its fault areas (240 MiB on); the same on every drive.
+const RAID0_MEMBER_OFFSET: u64 = 64 << 20;
+/// Bytes of each drive in an array (the second drive and those after it have 128 MiB).
+const RAID0_MEMBER_BYTES: u64 = 64 << 20;
+/// md's chunk: mdadm's default.
+const RAID0_CHUNK: u64 = 512 << 10;
+
+/// Several drives (`fgds.bench=raid0`, `cargo xtask bench --drives N --raid0`): md RAID0 over
+/// the first 1, 2, 4 (and 8) of the machine's drives in turn, the same 64 MiB of each, in
+/// chunks of 512 KiB; `ram`, `direct-mapped` and `ram-again` reading it at 1 and 4 MiB, depth
+/// 32. fgds's own commands refuse md (its disk has no PCI device to check), so the GPU's side is
+/// the registration's mapped address, as the crate reads md, which the mode takes only where
+/// fgds's gate takes every member. Each row carries `drives` and `array`; where the mapped
+/// address cannot be measured (a kernel whose md takes no P2PDMA pages), a row with `refused`
+/// (the bench's error) stands for it and `ram` runs alone.
+fn raid0() -> CaseResult {
+    if kind() != "raid0" {
+        return ktap::skip("only with fgds.bench=raid0");
+    }
+    let drives = fgds_tests::guest::drives()?;
+    for drive in &drives {
+        // Requests up to the driver's limit reach each member whole; md takes its limits
+        // from its members when it is assembled.
+        fgds_tests::guest::max_sectors_to_hw(drive)?;
+        fill_member(drive)?;
+    }
+    let counts = [1usize, 2, 4, 8]
+        .into_iter()
+        .filter(|&n| n <= drives.len())
+        .collect::<Vec<_>>();
+    ktap::diag(format_args!(
+        "md RAID0 over {counts:?} of the {} drives: {}",
+        drives.len(),
+        drives
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    for n in counts {
+        let members = drives[..n]
+            .iter()
+            .map(|d| (d.as_path(), RAID0_MEMBER_OFFSET))
+            .collect::<Vec<_>>();
+        // md takes an array of one member; were it to refuse, the drive's range itself.
+        let md = fgds_tests::guest::Md::raid0(
+            &format!("md_bench{n}"),
+            &members,
+            RAID0_MEMBER_BYTES,
+            RAID0_CHUNK,
+        );
+        let (path, offset, array) = match &md {
+            Ok(md) => (md.path.clone(), 0, "md raid0"),
+            Err(err) if n == 1 => {
+                ktap::diag(format_args!(
+                    "md RAID0 of one member refused ({err:#}): the raw namespace's range"
+                ));
+                (drives[0].clone(), RAID0_MEMBER_OFFSET, "raw")
+            }
+            Err(err) => return Err(anyhow::format_err!("{err:#}")),
+        };
+        if array == "md raid0" {
+            match fgds_tests::guest::max_sectors_to_hw(&path) {
+                Ok(kb) => ktap::diag(format_args!(
+                    "{}: requests of up to {kb} KiB",
+                    path.display()
+                )),
+                Err(err) => ktap::diag(format_args!("{}: {err:#}", path.display())),
+            }
+        }
+        let path = path.to_string_lossy().into_owned();
+        let span = n as u64 * RAID0_MEMBER_BYTES;
+        for bs in [1u64 << 20, 4 << 20] {
+            let qd = 32;
+            let bench = |modes: &[&str]| {
+                fgds_bench(
+                    &path,
+                    "read",
+                    bs,
+                    qd,
+                    Amount::Seconds(1.0),
+                    offset,
+                    span,
+                    "5",
+                    modes,
+                )
+            };
+            let emit = |rows: Vec<serde_json::Value>| {
+                for mut row in rows {
+                    row["drives"] = serde_json::Value::from(n);
+                    row["array"] = serde_json::Value::from(array);
+                    row["chunk"] = serde_json::Value::from(RAID0_CHUNK);
+                    row["set"] = serde_json::Value::from("raid0");
+                    ktap::diag(format_args!("fgds-bench: {row}"));
+                }
+            };
+            match bench(&["ram", "direct-mapped", "ram-again"]) {
+                Ok(rows) => emit(rows),
+                Err(err) => {
+                    let text = format!("{err:#}");
+                    let reason = text.rsplit("fgds: ").next().unwrap_or_default().trim();
+                    let row = serde_json::json!({
+                        "drives": n, "array": array, "set": "raid0", "op": "read",
+                        "block_size": bs, "queue_depth": qd, "mode": "direct-mapped",
+                        "refused": reason,
+                    });
+                    ktap::diag(format_args!("fgds-bench: {row}"));
+                    emit(bench(&["ram", "ram-again"])?);
+                }
+            }
+        }
+        drop(md);
+    }
+    ktap::pass()
+}
+
+/// Writes data over a drive's part of the arrays once, so that the bench reads data the
+/// host's image holds rather than holes (which the host reads as zeroes, without memory).
+fn fill_member(drive: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileExt;
+    const CHUNK: usize = 4 << 20;
+    let file = fgds_tests::guest::open_direct(drive, true)?;
+    let mut buf = fgds_tests::guest::AlignedBuf::new(CHUNK)?;
+    for at in (0..RAID0_MEMBER_BYTES).step_by(CHUNK) {
+        let offset = RAID0_MEMBER_OFFSET + at;
+        fgds_tests::pattern::fill(0x3a1d, offset, buf.as_mut_slice());
+        file.write_all_at(buf.as_slice(), offset)
+            .with_context(|| format!("cannot write {} at {offset}", drive.display()))?;
+    }
+    file.sync_all()
+        .with_context(|| format!("cannot flush {}", drive.display()))
 }
 
 /// What the file system costs: `ram` and `direct` reading and writing a file on each file
@@ -200,8 +338,8 @@ fn fgds_bench(
 }
 
 fn grid() -> CaseResult {
-    if kind() == "profile" || kind() == "files" {
-        return ktap::skip("fgds.bench=profile and files run only their own");
+    if matches!(kind().as_str(), "profile" | "files" | "raid0") {
+        return ktap::skip("fgds.bench=profile, files and raid0 run only their own");
     }
     let nvme = fgds_tests::guest::nvme_path()?
         .to_string_lossy()
@@ -297,8 +435,8 @@ fn list_override(var: &str) -> anyhow::Result<Option<Vec<u64>>> {
 /// GPU's node, which sets its page provider up, and pinning the buffer as a fixed buffer.
 fn registration_cost() -> CaseResult {
     const GIB: u64 = 1 << 30;
-    if kind() == "profile" || kind() == "files" {
-        return ktap::skip("fgds.bench=profile and files run only their own");
+    if matches!(kind().as_str(), "profile" | "files" | "raid0") {
+        return ktap::skip("fgds.bench=profile, files and raid0 run only their own");
     }
     if p2pmem_set() {
         return ktap::skip("the p2pmem boot runs only the grid (fgds takes vgpu's pages there)");
