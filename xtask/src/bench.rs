@@ -420,18 +420,25 @@ fn raid0(opts: &Options) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// The several-drives table: per array and block size, `ram` and `direct-mapped` in MiB/s
-/// (aggregate, and per drive), their ratio in the same turns, `ram-again`'s (the noise), and
-/// the requests the drives completed per I/O.
+/// The several-drives table: per array (the first drive's range alone, then md RAID0 over 1,
+/// 2, 4 drives) and block size, `ram` and `direct-mapped` in MiB/s (aggregate, and per drive),
+/// their ratio in the same turns, `ram-again`'s (the noise), the requests the drives completed
+/// per I/O, the guest's CPU per GiB, and the ratio again where neither mode had a fixed buffer.
 fn raid0_table(rows: &[Value], spec: &str, release: &str, drives: u8) -> String {
-    let mut points: BTreeMap<(u64, u64), BTreeMap<String, &Value>> = BTreeMap::new();
+    type Point<'a> = BTreeMap<(String, String), &'a Value>;
+    let mut points: BTreeMap<(bool, u64, u64), Point> = BTreeMap::new();
     for row in rows.iter().filter(|r| r["set"] == "raid0") {
         let key = (
+            row["array"] != "raw",
             row["drives"].as_u64().unwrap_or_default(),
             row["block_size"].as_u64().unwrap_or_default(),
         );
         let mode = row["mode"].as_str().unwrap_or_default().to_owned();
-        points.entry(key).or_default().insert(mode, row);
+        let fixed = row["fixed_buffers_asked"]
+            .as_str()
+            .unwrap_or("auto")
+            .to_owned();
+        points.entry(key).or_default().insert((mode, fixed), row);
     }
     let chunk = rows
         .iter()
@@ -439,50 +446,62 @@ fn raid0_table(rows: &[Value], spec: &str, release: &str, drives: u8) -> String 
         .map_or("?".to_owned(), human);
     let mut table = format!(
         "`cargo xtask bench --drives {drives} --raid0 --kernel {spec}` (`{release}`): md RAID0 \
-         (no superblock, {chunk} chunks) over the same 64 MiB of each of the first drives, reads \
-         at depth 32; `direct`: `direct-mapped`, io_uring `READ` into the registration's mapped \
-         address (fgds's own commands refuse md); `ram`: `READ_FIXED` into huge pages; 5 \
-         repetitions of 1 s, the modes taking turns. MiB/s; ratios paired by turns; requests: \
-         what the drives completed per I/O.\n\n\
-         | drives | size | ram MiB/s | direct MiB/s | direct/ram | ram-again/ram | per drive: ram, direct MiB/s | requests per I/O: ram, direct |\n\
-         |---:|---|---:|---:|---:|---:|---:|---:|\n"
+         (no superblock, {chunk} chunks) over the same 64 MiB of each of the first drives, and \
+         that range of the first drive alone (`raw`); reads at depth 32, 5 repetitions of 1 s, \
+         the modes taking turns. `direct`: `direct-mapped`, io_uring `READ` into the \
+         registration's mapped address (fgds's own commands refuse md), each request pinning \
+         its pages; `ram`: `READ_FIXED` into huge pages. MiB/s; ratios paired by turns; \
+         requests: what the drives completed per I/O; CPU: the guest's s per GiB; unfixed: \
+         direct/ram where neither has a fixed buffer (both pin per request).\n\n\
+         | array | drives | size | ram MiB/s | direct MiB/s | direct/ram | ram-again/ram | per drive: ram, direct | requests per I/O | CPU ram, direct | unfixed direct/ram |\n\
+         |---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     );
-    for ((n, bs), modes) in &points {
-        let rate = |m: &str| modes.get(m).and_then(|r| r["mib_s"].as_f64());
-        let array = modes
-            .values()
-            .find_map(|r| r["array"].as_str())
-            .unwrap_or("?");
-        let drives = if array == "raw" {
-            format!("{n} (raw)")
-        } else {
-            n.to_string()
+    for ((md, n, bs), modes) in &points {
+        let get = |m: &str, fixed: &str| modes.get(&(m.to_owned(), fixed.to_owned())).copied();
+        let rate = |m: &str| get(m, "auto").and_then(|r| r["mib_s"].as_f64());
+        let ratio = |m: &str, fixed: &str| {
+            fmt_ratio(get(m, fixed).and_then(|r| r["ratio_to_ram"].as_f64()))
         };
-        let ratio = |m: &str| fmt_ratio(modes.get(m).and_then(|r| r["ratio_to_ram"].as_f64()));
-        let direct = match (modes.get("direct-mapped"), rate("direct-mapped")) {
+        let direct = match (get("direct-mapped", "auto"), rate("direct-mapped")) {
             (_, Some(d)) => format!("{d:.0}"),
             (Some(r), None) => format!("refused: {}", r["refused"].as_str().unwrap_or("?")),
             _ => "-".to_owned(),
         };
         let per = |m: &str| rate(m).map_or("-".to_owned(), |r| format!("{:.0}", r / *n as f64));
-        let requests = |m: &str| {
-            modes
-                .get(m)
-                .and_then(|r| r["requests_per_io"].as_f64())
-                .map_or("-".to_owned(), |q| format!("{q:.1}"))
+        let num = |m: &str, key: &str, digits: usize| {
+            get(m, "auto")
+                .and_then(|r| r[key].as_f64())
+                .map_or("-".to_owned(), |v| format!("{v:.digits$}"))
         };
         table.push_str(&format!(
-            "| {drives} | {} | {} | {direct} | {} | {} | {}, {} | {}, {} |\n",
+            "| {} | {n} | {} | {} | {direct} | {} | {} | {}, {} | {}, {} | {}, {} | {} |\n",
+            if *md { "md raid0" } else { "raw" },
             human(*bs),
             rate("ram").map_or("-".to_owned(), |r| format!("{r:.0}")),
-            ratio("direct-mapped"),
-            ratio("ram-again"),
+            ratio("direct-mapped", "auto"),
+            ratio("ram-again", "auto"),
             per("ram"),
             per("direct-mapped"),
-            requests("ram"),
-            requests("direct-mapped"),
+            num("ram", "requests_per_io", 1),
+            num("direct-mapped", "requests_per_io", 1),
+            num("ram", "cpu_s_per_gib", 2),
+            num("direct-mapped", "cpu_s_per_gib", 2),
+            ratio("direct-mapped", "off"),
         ));
     }
+    // fgds's own commands on the raw drive, where they ran: the same drive's direct path.
+    for ((md, _, bs), modes) in &points {
+        let key = ("direct".to_owned(), "auto".to_owned());
+        if let (false, Some(r)) = (md, modes.get(&key)) {
+            table.push_str(&format!(
+                "\nraw {}: fgds's own commands (`direct`) {:.0} MiB/s, {} of ram.",
+                human(*bs),
+                r["mib_s"].as_f64().unwrap_or_default(),
+                fmt_ratio(r["ratio_to_ram"].as_f64())
+            ));
+        }
+    }
+    table.push('\n');
     table
 }
 
@@ -1306,4 +1325,50 @@ where
         .map_err(|e| anyhow::format_err!("{e:?}"))?;
     area.present().map_err(|e| anyhow::format_err!("{e:?}"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(drives: u64, bs: u64, mode: &str, mib_s: f64, ratio: Option<f64>) -> Value {
+        serde_json::json!({
+            "set": "raid0", "array": "md raid0", "chunk": 512 << 10, "drives": drives,
+            "block_size": bs, "mode": mode, "mib_s": mib_s, "ratio_to_ram": ratio,
+            "requests_per_io": 2.0, "cpu_s_per_gib": if mode == "ram" { 0.5 } else { 0.6 },
+        })
+    }
+
+    #[test]
+    fn raid0_table_gives_aggregate_and_per_drive_and_refusals() {
+        let mut unfixed = row(2, 1 << 20, "direct-mapped", 7000.0, Some(0.9));
+        unfixed["fixed_buffers_asked"] = Value::from("off");
+        let rows = vec![
+            unfixed,
+            row(2, 1 << 20, "ram", 8000.0, None),
+            row(2, 1 << 20, "direct-mapped", 7600.0, Some(0.95)),
+            row(2, 1 << 20, "ram-again", 8100.0, Some(1.01)),
+            serde_json::json!({
+                "set": "raid0", "array": "md raid0", "drives": 4, "block_size": 4 << 20,
+                "mode": "direct-mapped", "refused": "its block device's queue takes no P2PDMA pages",
+            }),
+            row(4, 4 << 20, "ram", 9000.0, None),
+        ];
+        let table = raid0_table(&rows, "debian:7.3", "7.3-amd64", 4);
+        assert!(
+            table.contains("--drives 4 --raid0 --kernel debian:7.3"),
+            "{table}"
+        );
+        assert!(table.contains("512K chunks"), "{table}");
+        assert!(
+            table.contains(
+                "| md raid0 | 2 | 1M | 8000 | 7600 | 0.95 | 1.01 | 4000, 3800 | 2.0, 2.0 | 0.50, 0.60 | 0.90 |"
+            ),
+            "{table}"
+        );
+        assert!(
+            table.contains("| md raid0 | 4 | 4M | 9000 | refused: its block device's queue"),
+            "{table}"
+        );
+    }
 }

@@ -53,12 +53,12 @@ const RAID0_CHUNK: u64 = 512 << 10;
 
 /// Several drives (`fgds.bench=raid0`, `cargo xtask bench --drives N --raid0`): md RAID0 over
 /// the first 1, 2, 4 (and 8) of the machine's drives in turn, the same 64 MiB of each, in
-/// chunks of 512 KiB; `ram`, `direct-mapped` and `ram-again` reading it at 1 and 4 MiB, depth
-/// 32. fgds's own commands refuse md (its disk has no PCI device to check), so the GPU's side is
-/// the registration's mapped address, as the crate reads md, which the mode takes only where
-/// fgds's gate takes every member. Each row carries `drives` and `array`; where the mapped
-/// address cannot be measured (a kernel whose md takes no P2PDMA pages), a row with `refused`
-/// (the bench's error) stands for it and `ram` runs alone.
+/// chunks of 512 KiB, and the first drive's range alone beside them ([`raid0_point`]). fgds's own
+/// commands refuse md (its disk has no PCI device to check), so the GPU's side is the
+/// registration's mapped address (`direct-mapped`), as the crate reads md, which the mode takes
+/// only where fgds's gate takes every member. Each row carries `drives` and `array`; where the
+/// mapped address cannot be measured (a kernel whose md takes no P2PDMA pages), a row with
+/// `refused` (the bench's error) stands for it and `ram` runs alone.
 fn raid0() -> CaseResult {
     if kind() != "raid0" {
         return ktap::skip("only with fgds.bench=raid0");
@@ -83,81 +83,96 @@ fn raid0() -> CaseResult {
             .collect::<Vec<_>>()
             .join(", ")
     ));
+    // The first drive's range itself, without md, beside the arrays: what md costs, and
+    // fgds's own commands (`direct`) where they take the drive.
+    raid0_point(&drives[0], RAID0_MEMBER_OFFSET, 1, "raw")?;
     for n in counts {
         let members = drives[..n]
             .iter()
             .map(|d| (d.as_path(), RAID0_MEMBER_OFFSET))
             .collect::<Vec<_>>();
-        // md takes an array of one member; were it to refuse, the drive's range itself.
         let md = fgds_tests::guest::Md::raid0(
             &format!("md_bench{n}"),
             &members,
             RAID0_MEMBER_BYTES,
             RAID0_CHUNK,
-        );
-        let (path, offset, array) = match &md {
-            Ok(md) => (md.path.clone(), 0, "md raid0"),
-            Err(err) if n == 1 => {
-                ktap::diag(format_args!(
-                    "md RAID0 of one member refused ({err:#}): the raw namespace's range"
-                ));
-                (drives[0].clone(), RAID0_MEMBER_OFFSET, "raw")
-            }
-            Err(err) => return Err(anyhow::format_err!("{err:#}")),
-        };
-        if array == "md raid0" {
-            match fgds_tests::guest::max_sectors_to_hw(&path) {
-                Ok(kb) => ktap::diag(format_args!(
-                    "{}: requests of up to {kb} KiB",
-                    path.display()
-                )),
-                Err(err) => ktap::diag(format_args!("{}: {err:#}", path.display())),
-            }
+        )?;
+        match fgds_tests::guest::max_sectors_to_hw(&md.path) {
+            Ok(kb) => ktap::diag(format_args!(
+                "{}: requests of up to {kb} KiB",
+                md.path.display()
+            )),
+            Err(err) => ktap::diag(format_args!("{}: {err:#}", md.path.display())),
         }
-        let path = path.to_string_lossy().into_owned();
-        let span = n as u64 * RAID0_MEMBER_BYTES;
-        for bs in [1u64 << 20, 4 << 20] {
-            let qd = 32;
-            let bench = |modes: &[&str]| {
-                fgds_bench(
-                    &path,
-                    "read",
-                    bs,
-                    qd,
-                    Amount::Seconds(1.0),
-                    offset,
-                    span,
-                    "5",
-                    modes,
-                )
-            };
-            let emit = |rows: Vec<serde_json::Value>| {
-                for mut row in rows {
-                    row["drives"] = serde_json::Value::from(n);
-                    row["array"] = serde_json::Value::from(array);
-                    row["chunk"] = serde_json::Value::from(RAID0_CHUNK);
-                    row["set"] = serde_json::Value::from("raid0");
-                    ktap::diag(format_args!("fgds-bench: {row}"));
-                }
-            };
-            match bench(&["ram", "direct-mapped", "ram-again"]) {
-                Ok(rows) => emit(rows),
-                Err(err) => {
-                    let text = format!("{err:#}");
-                    let reason = text.rsplit("fgds: ").next().unwrap_or_default().trim();
-                    let row = serde_json::json!({
-                        "drives": n, "array": array, "set": "raid0", "op": "read",
-                        "block_size": bs, "queue_depth": qd, "mode": "direct-mapped",
-                        "refused": reason,
-                    });
-                    ktap::diag(format_args!("fgds-bench: {row}"));
-                    emit(bench(&["ram", "ram-again"])?);
-                }
-            }
-        }
+        raid0_point(&md.path, 0, n, "md raid0")?;
         drop(md);
     }
     ktap::pass()
+}
+
+/// One array (or the raw drive's range at `offset`) of `drives` drives: `ram`, `direct-mapped`
+/// and `ram-again` (with fgds's `direct` after them on the raw drive) at 1 and 4 MiB, depth 32,
+/// then `ram` and `direct-mapped` again with no fixed buffers (both pinning their pages per
+/// request: what the mapped address costs beyond that). Emits the rows.
+fn raid0_point(
+    path: &std::path::Path,
+    offset: u64,
+    drives: usize,
+    array: &str,
+) -> anyhow::Result<()> {
+    let path = path.to_string_lossy().into_owned();
+    let span = drives as u64 * RAID0_MEMBER_BYTES;
+    for bs in [1u64 << 20, 4 << 20] {
+        let qd = 32;
+        let bench = |fixed: &str, modes: &[&str]| {
+            fgds_bench_fixed(
+                fixed,
+                &path,
+                "read",
+                bs,
+                qd,
+                Amount::Seconds(1.0),
+                offset,
+                span,
+                "5",
+                modes,
+            )
+        };
+        let emit = |fixed: &str, rows: Vec<serde_json::Value>| {
+            for mut row in rows {
+                row["drives"] = serde_json::Value::from(drives);
+                row["array"] = serde_json::Value::from(array);
+                row["chunk"] = serde_json::Value::from(RAID0_CHUNK);
+                row["fixed_buffers_asked"] = serde_json::Value::from(fixed);
+                row["set"] = serde_json::Value::from("raid0");
+                ktap::diag(format_args!("fgds-bench: {row}"));
+            }
+        };
+        let modes: &[&str] = if array == "raw" {
+            &["ram", "direct-mapped", "ram-again", "direct"]
+        } else {
+            &["ram", "direct-mapped", "ram-again"]
+        };
+        match bench("auto", modes) {
+            Ok(rows) => {
+                emit("auto", rows);
+                emit("off", bench("off", &["ram", "direct-mapped"])?);
+            }
+            // `direct-mapped` cannot be set up here: `ram` alone, and why.
+            Err(err) => {
+                let text = format!("{err:#}");
+                let reason = text.rsplit("fgds: ").next().unwrap_or_default().trim();
+                let row = serde_json::json!({
+                    "drives": drives, "array": array, "set": "raid0", "op": "read",
+                    "block_size": bs, "queue_depth": qd, "mode": "direct-mapped",
+                    "fixed_buffers_asked": "auto", "refused": reason,
+                });
+                ktap::diag(format_args!("fgds-bench: {row}"));
+                emit("auto", bench("auto", &["ram", "ram-again"])?);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Writes data over a drive's part of the arrays once, so that the bench reads data the
@@ -280,11 +295,30 @@ fn fgds_bench(
     repeat: &str,
     modes: &[&str],
 ) -> anyhow::Result<Vec<serde_json::Value>> {
+    let fixed = std::env::var("FGDS_FIXED_BUFFERS").unwrap_or_else(|_| "auto".to_owned());
+    fgds_bench_fixed(
+        &fixed, nvme, op, bs, qd, amount, offset, span, repeat, modes,
+    )
+}
+
+/// [`fgds_bench`] with `fgds bench --fixed-buffers FIXED`.
+#[allow(clippy::too_many_arguments)]
+fn fgds_bench_fixed(
+    fixed: &str,
+    nvme: &str,
+    op: &str,
+    bs: u64,
+    qd: u64,
+    amount: Amount,
+    offset: u64,
+    span: u64,
+    repeat: &str,
+    modes: &[&str],
+) -> anyhow::Result<Vec<serde_json::Value>> {
     let (amount_flag, amount) = match amount {
         Amount::Bytes(n) => ("--total", n.to_string()),
         Amount::Seconds(s) => ("--seconds", s.to_string()),
     };
-    let fixed = std::env::var("FGDS_FIXED_BUFFERS").unwrap_or_else(|_| "auto".to_owned());
     let (bs, qd, offset, span) = (
         bs.to_string(),
         qd.to_string(),
@@ -312,7 +346,7 @@ fn fgds_bench(
         "--repeat",
         repeat,
         "--fixed-buffers",
-        &fixed,
+        fixed,
         "--json",
     ];
     for mode in modes {
