@@ -70,6 +70,7 @@ pub struct Options {
     /// `--drives`, `ram` against `direct-mapped` (the registration's mapped address: fgds's own
     /// commands refuse md) at 1 and 4 MiB, depth 32, aggregate and per drive
     /// (`target/bench/<kernel>-raid0.md`).
+    /// With `--from-json`, the JSON is such a run's (`<kernel>-raid0.json`).
     #[arg(long, conflicts_with_all = ["quick", "profile", "files"])]
     pub raid0: bool,
 }
@@ -80,6 +81,23 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;
         let all: Vec<Value> = serde_json::from_str(&text)?;
+        if opts.raid0 {
+            let first = all.first().context("the JSON has no rows")?;
+            let text = |key: &str| first[key].as_str().unwrap_or("?").to_owned();
+            println!(
+                "{}",
+                raid0_table(&all, &text("kernel"), &text("release"), opts.drives)
+            );
+            let refused = raid0_refusals(&all);
+            for (reason, at) in &refused {
+                eprintln!("bench: direct-mapped refused on {at}: {reason}");
+            }
+            return Ok(if refused.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            });
+        }
         let (registration, rows): (Vec<Value>, Vec<Value>) =
             all.into_iter().partition(|r| r["kind"] == "registration");
         let label = path
@@ -376,14 +394,8 @@ fn raid0(opts: &Options) -> anyhow::Result<ExitCode> {
     }
     let table = raid0_table(&rows, &run.spec, &run.release, opts.drives);
     println!("{table}");
-    for row in rows.iter().filter(|r| r["refused"].is_string()) {
-        eprintln!(
-            "bench: direct-mapped on {} over {} drive(s), {}: refused: {}",
-            row["array"].as_str().unwrap_or("?"),
-            row["drives"],
-            human(row["block_size"].as_u64().unwrap_or(0)),
-            row["refused"].as_str().unwrap_or("?")
-        );
+    for (reason, at) in raid0_refusals(&rows) {
+        eprintln!("bench: direct-mapped refused on {at}: {reason}");
         passed = false;
     }
     let unseen = rows
@@ -464,7 +476,7 @@ fn raid0_table(rows: &[Value], spec: &str, release: &str, drives: u8) -> String 
         };
         let direct = match (get("direct-mapped", "auto"), rate("direct-mapped")) {
             (_, Some(d)) => format!("{d:.0}"),
-            (Some(r), None) => format!("refused: {}", r["refused"].as_str().unwrap_or("?")),
+            (Some(_), None) => "refused".to_owned(),
             _ => "-".to_owned(),
         };
         let per = |m: &str| rate(m).map_or("-".to_owned(), |r| format!("{:.0}", r / *n as f64));
@@ -501,8 +513,52 @@ fn raid0_table(rows: &[Value], spec: &str, release: &str, drives: u8) -> String 
             ));
         }
     }
+    for (reason, at) in raid0_refusals(rows) {
+        table.push_str(&format!("\n`direct-mapped` refused on {at}: {reason}"));
+    }
     table.push('\n');
     table
+}
+
+/// Each distinct reason `direct-mapped` was refused for (without the device's name), with
+/// where: `md raid0 over 1, 2, 4 drive(s) at 1M, 4M`.
+fn raid0_refusals(rows: &[Value]) -> Vec<(String, String)> {
+    type Where = BTreeMap<String, (Vec<u64>, Vec<u64>)>;
+    let mut reasons: BTreeMap<String, Where> = BTreeMap::new();
+    for row in rows.iter().filter(|r| r["set"] == "raid0") {
+        let Some(reason) = row["refused"].as_str() else {
+            continue;
+        };
+        let reason = reason
+            .split_once("by DMA: ")
+            .map_or(reason, |(_, why)| why)
+            .to_owned();
+        let array = row["array"].as_str().unwrap_or("?").to_owned();
+        let (drives, sizes) = reasons.entry(reason).or_default().entry(array).or_default();
+        drives.push(row["drives"].as_u64().unwrap_or_default());
+        sizes.push(row["block_size"].as_u64().unwrap_or_default());
+    }
+    reasons
+        .into_iter()
+        .map(|(reason, arrays)| {
+            let at = arrays
+                .into_iter()
+                .map(|(array, (mut drives, mut sizes))| {
+                    drives.sort();
+                    drives.dedup();
+                    sizes.sort();
+                    sizes.dedup();
+                    let list = |v: Vec<String>| v.join(", ");
+                    format!(
+                        "{array} over {} drive(s) at {}",
+                        list(drives.iter().map(u64::to_string).collect()),
+                        list(sizes.into_iter().map(human).collect())
+                    )
+                })
+                .collect::<Vec<_>>();
+            (reason, at.join("; "))
+        })
+        .collect()
 }
 
 /// A boot's `# fgds-bench:` rows: the grid's, the registration cost's and the profiles.
@@ -1350,7 +1406,7 @@ mod tests {
             row(2, 1 << 20, "ram-again", 8100.0, Some(1.01)),
             serde_json::json!({
                 "set": "raid0", "array": "md raid0", "drives": 4, "block_size": 4 << 20,
-                "mode": "direct-mapped", "refused": "its block device's queue takes no P2PDMA pages",
+                "mode": "direct-mapped", "refused": "mode direct-mapped cannot be measured on /dev/md4: its mapped address does not reach the file by DMA: its block device's queue takes no P2PDMA pages",
             }),
             row(4, 4 << 20, "ram", 9000.0, None),
         ];
@@ -1362,12 +1418,19 @@ mod tests {
         assert!(table.contains("512K chunks"), "{table}");
         assert!(
             table.contains(
+                "`direct-mapped` refused on md raid0 over 4 drive(s) at 4M: its block device's \
+                 queue takes no P2PDMA pages"
+            ),
+            "{table}"
+        );
+        assert!(
+            table.contains(
                 "| md raid0 | 2 | 1M | 8000 | 7600 | 0.95 | 1.01 | 4000, 3800 | 2.0, 2.0 | 0.50, 0.60 | 0.90 |"
             ),
             "{table}"
         );
         assert!(
-            table.contains("| md raid0 | 4 | 4M | 9000 | refused: its block device's queue"),
+            table.contains("| md raid0 | 4 | 4M | 9000 | refused | - |"),
             "{table}"
         );
     }

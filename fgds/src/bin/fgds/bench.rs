@@ -257,7 +257,8 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         {
             let why = mapping_reaches(buffer, &file, write).with_context(|| {
                 format!(
-                    "mode {mode} cannot be measured on {}: its mapped address does not reach                      the file by DMA",
+                    "mode {mode} cannot be measured on {}: its mapped address does not reach \
+                     the file by DMA",
                     file_path.display()
                 )
             })?;
