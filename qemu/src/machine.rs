@@ -45,8 +45,13 @@ pub struct Config {
     /// An xfs and a btrfs filesystem image: its third and fourth namespaces, where given.
     pub xfs_image: Option<PathBuf>,
     pub btrfs_image: Option<PathBuf>,
-    /// The second drive's image.
-    pub nvme2_image: PathBuf,
+    /// The second drive's image (behind the GPU's switch, in its own hot-pluggable slot); none
+    /// for a machine of one drive (`--drives 1`).
+    pub nvme2_image: Option<PathBuf>,
+    /// The images of drives three and up (`--drives N`), each an NVMe controller of its own
+    /// (serial [`extra_drive_serial`]) in a slot of its own behind the GPU's switch (with
+    /// `iommu`, on a root port of its own, as every device is).
+    pub extra_drives: Vec<PathBuf>,
     /// The image of a third drive, for a root port of its own outside the GPU's switch (no P2P
     /// path to the GPU: the host bridge is not one Linux lets P2P through without a vIOMMU's
     /// CPU model); only without `iommu`. The port is empty at boot: a test plugs the drive in.
@@ -58,7 +63,7 @@ pub struct Config {
     pub second_gpu: Option<SecondGpu>,
     /// I/O errors the drive returns at fixed sectors.
     pub nvme_errors: Vec<InjectError>,
-    /// The first NVMe controller's `mdts`, where not QEMU's default (7: 512 KiB per command).
+    /// Every NVMe controller's `mdts`, where not QEMU's default (7: 512 KiB per command).
     pub nvme_mdts: Option<u8>,
     /// A translating vIOMMU (intel-iommu), with each device on its own root port.
     pub iommu: bool,
@@ -108,6 +113,30 @@ pub const GPU_BUS: &str = "dn1";
 pub const NVME_ID: &str = "nvme0";
 /// The QEMU device id of the second NVMe controller (its own slot, for hot-unplug tests).
 pub const NVME2_ID: &str = "nvme1";
+/// The most drives a machine has (`--drives`): the first two, and six more.
+pub const MAX_DRIVES: usize = 8;
+
+/// The controller serial of drive `n` (counted from 1) for drives three and up; the first two
+/// are `fgds0` and `fgds1`, and `fgds2` is the drive outside the switch that fgds_gate plugs in.
+pub fn extra_drive_serial(n: usize) -> String {
+    format!("fgds-drive{n}")
+}
+
+/// The downstream ports (slots) of the GPU's switch, or root ports with `iommu`: the first
+/// drive, the GPU, the second drive, then one per further drive.
+fn ports(config: &Config) -> Vec<String> {
+    ["dn0", GPU_BUS, "dn2"]
+        .into_iter()
+        .map(str::to_owned)
+        .chain((3..3 + config.extra_drives.len()).map(|n| format!("dn{n}")))
+        .collect()
+}
+
+/// The PCIe chassis number of port `i` of [`ports`]: 2, 3 and 4 for the first three (as
+/// always), 11 and up for the further drives' (clear of the root ports' 1 and 9).
+fn chassis(i: usize) -> usize {
+    if i < 3 { i + 2 } else { i + 8 }
+}
 
 /// The kernel parameters the rig always passes: console on the first serial port, a panic or
 /// oops ends the machine at once (`-no-reboot` turns the reboot into QEMU's exit).
@@ -227,12 +256,12 @@ pub fn args(config: &Config) -> Vec<String> {
         // through the host bridge, which Linux allows for an AMD Zen CPU (the CPU model's
         // family 23, see `cpu_model`). research/kernel-mechanisms.md 1.4 and 6.
         push(&["-device", "intel-iommu,intremap=off"]);
-        for (i, port) in ["dn0", GPU_BUS, "dn2"].iter().enumerate() {
+        for (i, port) in ports(config).iter().enumerate() {
             push(&[
                 "-device",
                 &format!(
                     "pcie-root-port,id={port},bus=pcie.0,chassis={},slot={}",
-                    i + 2,
+                    chassis(i),
                     i + 1
                 ),
             ]);
@@ -246,12 +275,12 @@ pub fn args(config: &Config) -> Vec<String> {
             "pcie-root-port,id=rp0,bus=pcie.0,chassis=1,slot=1",
         ]);
         push(&["-device", "x3130-upstream,id=up0,bus=rp0"]);
-        for (i, port) in ["dn0", GPU_BUS, "dn2"].iter().enumerate() {
+        for (i, port) in ports(config).iter().enumerate() {
             push(&[
                 "-device",
                 &format!(
                     "xio3130-downstream,id={port},bus=up0,chassis={},slot=0",
-                    i + 2
+                    chassis(i)
                 ),
             ]);
         }
@@ -269,19 +298,22 @@ pub fn args(config: &Config) -> Vec<String> {
             push(&["-blockdev", &raw_blockdev(&format!("nvme0-{fs}"), image)]);
         }
     }
-    push(&[
-        "-blockdev",
-        &raw_blockdev("nvme1-disk", &config.nvme2_image),
-    ]);
+    if let Some(image) = &config.nvme2_image {
+        push(&["-blockdev", &raw_blockdev("nvme1-disk", image)]);
+    }
+    for (i, image) in config.extra_drives.iter().enumerate() {
+        push(&[
+            "-blockdev",
+            &raw_blockdev(&format!("drive{}-disk", i + 3), image),
+        ]);
+    }
+    let mdts = config
+        .nvme_mdts
+        .map_or(String::new(), |m| format!(",mdts={m}"));
     // Namespace 1: the raw drive; 2, 3 and 4: ext4, xfs and btrfs.
     push(&[
         "-device",
-        &format!(
-            "nvme,id={NVME_ID},serial=fgds0,bus=dn0{}",
-            config
-                .nvme_mdts
-                .map_or(String::new(), |m| format!(",mdts={m}"))
-        ),
+        &format!("nvme,id={NVME_ID},serial=fgds0,bus=dn0{mdts}"),
     ]);
     push(&[
         "-device",
@@ -297,10 +329,21 @@ pub fn args(config: &Config) -> Vec<String> {
             &format!("nvme-ns,drive=nvme0-{fs},nsid={nsid},bus={NVME_ID}"),
         ]);
     }
-    push(&[
-        "-device",
-        &format!("nvme,id={NVME2_ID},serial=fgds1,drive=nvme1-disk,bus=dn2"),
-    ]);
+    if config.nvme2_image.is_some() {
+        push(&[
+            "-device",
+            &format!("nvme,id={NVME2_ID},serial=fgds1,drive=nvme1-disk,bus=dn2{mdts}"),
+        ]);
+    }
+    for n in 3..3 + config.extra_drives.len() {
+        push(&[
+            "-device",
+            &format!(
+                "nvme,id=drive{n},serial={},drive=drive{n}-disk,bus=dn{n}{mdts}",
+                extra_drive_serial(n)
+            ),
+        ]);
+    }
     if let (Some(image), false) = (&config.far_image, config.iommu) {
         push(&[
             "-device",
@@ -659,7 +702,8 @@ mod tests {
             ext4_image: "ext4.img".into(),
             xfs_image: None,
             btrfs_image: None,
-            nvme2_image: "nvme2.img".into(),
+            nvme2_image: Some("nvme2.img".into()),
+            extra_drives: Vec::new(),
             far_image: None,
             gpu_backing: "gpu".into(),
             gpu_bytes: 1 << 28,
@@ -700,5 +744,43 @@ mod tests {
         assert_eq!(splats.len(), 1, "the splat after the bad bytes is found");
         assert_eq!(splats[0].test.as_deref(), Some("smoke"));
         assert_eq!(super::read_log(&path), "", "a missing log reads empty");
+    }
+
+    #[test]
+    fn further_drives_sit_behind_the_gpus_switch() {
+        let mut c = config(Accel::Tcg(TcgThreads::Single));
+        let default = args(&c);
+        assert!(
+            !default.iter().any(|a| a.contains("dn3")),
+            "two drives: no slot 3"
+        );
+        c.extra_drives = vec!["d3.img".into(), "d4.img".into()];
+        c.nvme_mdts = Some(0);
+        let args = args(&c);
+        let devices = args
+            .windows(2)
+            .filter(|w| w[0] == "-device")
+            .map(|w| w[1].as_str())
+            .collect::<Vec<_>>();
+        for n in 3..=4 {
+            let port = format!("xio3130-downstream,id=dn{n},bus=up0,");
+            assert!(devices.iter().any(|d| d.starts_with(&port)), "{devices:?}");
+            let drive = format!(
+                "nvme,id=drive{n},serial={},drive=drive{n}-disk,bus=dn{n},mdts=0",
+                extra_drive_serial(n)
+            );
+            assert!(devices.contains(&drive.as_str()), "{devices:?}");
+        }
+        let nvme = devices.iter().filter(|d| d.starts_with("nvme,")).count();
+        assert_eq!(nvme, 4, "{devices:?}");
+        let mut chassis = devices
+            .iter()
+            .filter_map(|d| d.split("chassis=").nth(1))
+            .map(|c| c.split(',').next().unwrap_or(c))
+            .collect::<Vec<_>>();
+        let all = chassis.len();
+        chassis.sort();
+        chassis.dedup();
+        assert_eq!(chassis.len(), all, "every port has a chassis of its own");
     }
 }

@@ -506,25 +506,7 @@ pub fn reuse_and_check(bar_off: u64, len: u64, seed: u64) -> anyhow::Result<()> 
 
 /// The block device of the drive with controller serial `serial`, namespace 1.
 pub fn drive_by_serial(serial: &str) -> Option<std::path::PathBuf> {
-    for entry in std::fs::read_dir("/sys/block").ok()?.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if !name.starts_with("nvme") || name.contains('c') || name.contains('p') {
-            continue;
-        }
-        let read = |attr: &str| {
-            std::fs::read_to_string(entry.path().join(attr))
-                .unwrap_or_default()
-                .trim()
-                .to_owned()
-        };
-        if read("device/serial") == serial && read("nsid") == "1" {
-            let dev = std::path::Path::new("/dev").join(&name);
-            if dev.exists() {
-                return Some(dev);
-            }
-        }
-    }
-    None
+    guest::drive_by_serial(serial)
 }
 
 /// Puts `seed`'s pattern at the start of the drive `path` (O_DIRECT).

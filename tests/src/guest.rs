@@ -355,3 +355,106 @@ impl Drop for LoopDevice {
         unsafe { libc::ioctl(self.dev.as_raw_fd(), LOOP_CLR_FD, 0) };
     }
 }
+
+/// An md RAID0 array without a superblock over a range of each member (md's sysfs, as
+/// `mdadm --build` does it), stopped when dropped.
+pub struct Md {
+    name: String,
+    /// `/dev/NAME`.
+    pub path: PathBuf,
+}
+
+impl Md {
+    /// `member_bytes` of each of `members` (a block device and the byte offset of the range),
+    /// striped in chunks of `chunk` bytes.
+    pub fn raid0(
+        name: &str,
+        members: &[(&std::path::Path, u64)],
+        member_bytes: u64,
+        chunk: u64,
+    ) -> anyhow::Result<Md> {
+        std::fs::write("/sys/module/md_mod/parameters/new_array", name)
+            .with_context(|| format!("create md array {name}"))?;
+        let md = Md {
+            name: name.to_owned(),
+            path: PathBuf::from(format!("/dev/{name}")),
+        };
+        let dir = PathBuf::from(format!("/sys/block/{name}/md"));
+        let put = |path: PathBuf, value: String| {
+            std::fs::write(&path, &value)
+                .with_context(|| format!("write {value:?} to {}", path.display()))
+        };
+        put(dir.join("metadata_version"), "none".into())?;
+        put(dir.join("level"), "raid0".into())?;
+        put(dir.join("chunk_size"), chunk.to_string())?;
+        put(dir.join("raid_disks"), members.len().to_string())?;
+        for (slot, (dev, offset)) in members.iter().enumerate() {
+            let st = rustix::fs::stat(*dev).with_context(|| format!("stat {}", dev.display()))?;
+            let (major, minor) = (rustix::fs::major(st.st_rdev), rustix::fs::minor(st.st_rdev));
+            put(dir.join("new_dev"), format!("{major}:{minor}"))?;
+            let name = dev.file_name().context("a member without a name")?;
+            let rdev = dir.join(format!("dev-{}", name.to_string_lossy()));
+            put(rdev.join("offset"), (offset / 512).to_string())?;
+            put(rdev.join("size"), (member_bytes / 1024).to_string())?;
+            put(rdev.join("slot"), slot.to_string())?;
+        }
+        put(dir.join("array_state"), "active".into())?;
+        wait_for_node(&md.path)?;
+        Ok(md)
+    }
+}
+
+impl Drop for Md {
+    fn drop(&mut self) {
+        let state = format!("/sys/block/{}/md/array_state", self.name);
+        let _ = std::fs::write(&state, "inactive");
+        let _ = std::fs::write(&state, "clear");
+    }
+}
+
+/// The block device of namespace 1 of the NVMe controller with serial `serial`, if present.
+pub fn drive_by_serial(serial: &str) -> Option<PathBuf> {
+    for entry in std::fs::read_dir("/sys/block").ok()?.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("nvme") || name.contains('c') || name.contains('p') {
+            continue;
+        }
+        let read = |attr: &str| {
+            std::fs::read_to_string(entry.path().join(attr))
+                .unwrap_or_default()
+                .trim()
+                .to_owned()
+        };
+        if read("device/serial") == serial && read("nsid") == "1" {
+            let dev = std::path::Path::new("/dev").join(&name);
+            if dev.exists() {
+                return Some(dev);
+            }
+        }
+    }
+    None
+}
+
+/// The machine's drives behind the GPU's switch, in order (`cargo xtask test-vm --drives N`,
+/// `FGDS_DRIVES`, 2 where not given): the raw drive (`FGDS_NVME`), the second drive (serial
+/// `fgds1`), then serials `fgds-drive3` and up.
+pub fn drives() -> anyhow::Result<Vec<PathBuf>> {
+    let count = match std::env::var("FGDS_DRIVES") {
+        Ok(n) => n
+            .parse::<usize>()
+            .with_context(|| format!("FGDS_DRIVES={n}: want a number of drives"))?,
+        Err(_) => 2,
+    };
+    let mut drives = vec![nvme_path()?];
+    for n in 2..=count {
+        let serial = match n {
+            2 => "fgds1".to_owned(),
+            n => format!("fgds-drive{n}"),
+        };
+        let dev = drive_by_serial(&serial).with_context(|| {
+            format!("no drive {n} (NVMe serial {serial}) though the machine has {count}")
+        })?;
+        drives.push(dev);
+    }
+    Ok(drives)
+}

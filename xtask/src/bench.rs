@@ -63,6 +63,16 @@ pub struct Options {
     /// xfs and btrfs and on the raw namespace (`target/bench/<kernel>-files.md`).
     #[arg(long, conflicts_with_all = ["quick", "profile"])]
     pub files: bool,
+    /// NVMe drives behind the GPU's switch (as for test-vm; each of the second's 128 MiB).
+    #[arg(long, default_value_t = vm::DEFAULT_DRIVES, value_parser = clap::value_parser!(u8).range(1..=fgds_qemu::machine::MAX_DRIVES as i64))]
+    pub drives: u8,
+    /// Several drives instead of the grid: md RAID0 over the first 1, 2, 4 (and 8) of the
+    /// `--drives`, `ram` against `direct-mapped` (the registration's mapped address: fgds's own
+    /// commands refuse md) at 1 and 4 MiB, depth 32, aggregate and per drive
+    /// (`target/bench/<kernel>-raid0.md`).
+    /// With `--from-json`, the JSON is such a run's (`<kernel>-raid0.json`).
+    #[arg(long, conflicts_with_all = ["quick", "profile", "files"])]
+    pub raid0: bool,
 }
 
 pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
@@ -71,6 +81,23 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;
         let all: Vec<Value> = serde_json::from_str(&text)?;
+        if opts.raid0 {
+            let first = all.first().context("the JSON has no rows")?;
+            let text = |key: &str| first[key].as_str().unwrap_or("?").to_owned();
+            println!(
+                "{}",
+                raid0_table(&all, &text("kernel"), &text("release"), opts.drives)
+            );
+            let refused = raid0_refusals(&all);
+            for (reason, at) in &refused {
+                eprintln!("bench: direct-mapped refused on {at}: {reason}");
+            }
+            return Ok(if refused.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            });
+        }
         let (registration, rows): (Vec<Value>, Vec<Value>) =
             all.into_iter().partition(|r| r["kind"] == "registration");
         let label = path
@@ -87,6 +114,9 @@ pub fn bench(opts: &Options) -> anyhow::Result<ExitCode> {
     }
     if opts.files {
         return files(opts);
+    }
+    if opts.raid0 {
+        return raid0(opts);
     }
     // `auto`: the headline runs with vgpu's memory as plain VRAM (fgds's own pages, as with a
     // real GPU); upstream's p2pmem needs P2PDMA pages the exporter publishes, so it gets a
@@ -270,6 +300,8 @@ fn boot(opts: &Options, vgpu_mode: &str, set: &str) -> anyhow::Result<vm::Kernel
                 "profile"
             } else if opts.files {
                 "files"
+            } else if opts.raid0 {
+                "raid0"
             } else {
                 "full"
             },
@@ -288,6 +320,7 @@ fn boot(opts: &Options, vgpu_mode: &str, set: &str) -> anyhow::Result<vm::Kernel
         nvme_mdts: Some(0),
         iommu: opts.iommu,
         filesystems: opts.files,
+        drives: opts.drives,
         ..vm::Options::for_kernel(&opts.kernel)
     })
 }
@@ -346,6 +379,186 @@ fn files(opts: &Options) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// `cargo xtask bench --drives N --raid0`: one boot, md RAID0 over 1, 2, 4 (and 8) drives,
+/// `ram` against `direct-mapped`, a table (`target/bench/<kernel>-raid0.md` and `.json`). Fails
+/// where `direct-mapped` was refused (the reason is printed), where a mode's requests did not
+/// all reach the drives, or where the host's pages are not the documented ones.
+fn raid0(opts: &Options) -> anyhow::Result<ExitCode> {
+    let run = boot(opts, &opts.vgpu_mode.replace("auto", "plain"), "raid0")?;
+    let (rows, _, _) = collect(&run)?;
+    let mut passed = crate::report::print(run.outcomes.clone());
+    if rows.is_empty() {
+        bail!("the guest measured nothing (see {})", run.run_dir.display());
+    }
+    let table = raid0_table(&rows, &run.spec, &run.release, opts.drives);
+    println!("{table}");
+    for (reason, at) in raid0_refusals(&rows) {
+        eprintln!("bench: direct-mapped refused on {at}: {reason}");
+        passed = false;
+    }
+    let unseen = rows
+        .iter()
+        .filter(|r| r["requests_per_io"].as_f64().is_some_and(|q| q < 0.99))
+        .count();
+    if unseen > 0 {
+        eprintln!(
+            "bench: in {unseen} row(s) the drives completed fewer requests than the mode made, so \
+             its bytes did not all move (target/bench/*-raid0.json, requests_per_io)"
+        );
+        passed = false;
+    }
+    let backing = backing_problems(&rows);
+    for problem in backing.iter().take(5) {
+        eprintln!(
+            "bench: host backing differs from docs/performance.md's configuration: {problem}"
+        );
+    }
+    passed &= backing.is_empty();
+    let out_dir = crate::project_root().join("target/bench");
+    std::fs::create_dir_all(&out_dir)?;
+    let label = run.spec.replace(':', "-");
+    std::fs::write(out_dir.join(format!("{label}-raid0.md")), &table)?;
+    std::fs::write(
+        out_dir.join(format!("{label}-raid0.json")),
+        serde_json::to_string_pretty(&rows)?,
+    )?;
+    println!("wrote {label}-raid0.md and .json in {}", out_dir.display());
+    Ok(if passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// The several-drives table: per array (the first drive's range alone, then md RAID0 over 1,
+/// 2, 4 drives) and block size, `ram` and `direct-mapped` in MiB/s (aggregate, and per drive),
+/// their ratio in the same turns, `ram-again`'s (the noise), the requests the drives completed
+/// per I/O, the guest's CPU per GiB, and the ratio again where neither mode had a fixed buffer.
+fn raid0_table(rows: &[Value], spec: &str, release: &str, drives: u8) -> String {
+    type Point<'a> = BTreeMap<(String, String), &'a Value>;
+    let mut points: BTreeMap<(bool, u64, u64), Point> = BTreeMap::new();
+    for row in rows.iter().filter(|r| r["set"] == "raid0") {
+        let key = (
+            row["array"] != "raw",
+            row["drives"].as_u64().unwrap_or_default(),
+            row["block_size"].as_u64().unwrap_or_default(),
+        );
+        let mode = row["mode"].as_str().unwrap_or_default().to_owned();
+        let fixed = row["fixed_buffers_asked"]
+            .as_str()
+            .unwrap_or("auto")
+            .to_owned();
+        points.entry(key).or_default().insert((mode, fixed), row);
+    }
+    let chunk = rows
+        .iter()
+        .find_map(|r| r["chunk"].as_u64())
+        .map_or("?".to_owned(), human);
+    let mut table = format!(
+        "`cargo xtask bench --drives {drives} --raid0 --kernel {spec}` (`{release}`): md RAID0 \
+         (no superblock, {chunk} chunks) over the same 64 MiB of each of the first drives, and \
+         that range of the first drive alone (`raw`); reads at depth 32, 5 repetitions of 1 s, \
+         the modes taking turns. `direct`: `direct-mapped`, io_uring `READ` into the \
+         registration's mapped address (fgds's own commands refuse md), each request pinning \
+         its pages; `ram`: `READ_FIXED` into huge pages. MiB/s; ratios paired by turns; \
+         requests: what the drives completed per I/O; CPU: the guest's s per GiB; unfixed: \
+         direct/ram where neither has a fixed buffer (both pin per request).\n\n\
+         | array | drives | size | ram MiB/s | direct MiB/s | direct/ram | ram-again/ram | per drive: ram, direct | requests per I/O | CPU ram, direct | unfixed direct/ram |\n\
+         |---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    );
+    for ((md, n, bs), modes) in &points {
+        let get = |m: &str, fixed: &str| modes.get(&(m.to_owned(), fixed.to_owned())).copied();
+        let rate = |m: &str| get(m, "auto").and_then(|r| r["mib_s"].as_f64());
+        let ratio = |m: &str, fixed: &str| {
+            fmt_ratio(get(m, fixed).and_then(|r| r["ratio_to_ram"].as_f64()))
+        };
+        let direct = match (get("direct-mapped", "auto"), rate("direct-mapped")) {
+            (_, Some(d)) => format!("{d:.0}"),
+            (Some(_), None) => "refused".to_owned(),
+            _ => "-".to_owned(),
+        };
+        let per = |m: &str| rate(m).map_or("-".to_owned(), |r| format!("{:.0}", r / *n as f64));
+        let num = |m: &str, key: &str, digits: usize| {
+            get(m, "auto")
+                .and_then(|r| r[key].as_f64())
+                .map_or("-".to_owned(), |v| format!("{v:.digits$}"))
+        };
+        table.push_str(&format!(
+            "| {} | {n} | {} | {} | {direct} | {} | {} | {}, {} | {}, {} | {}, {} | {} |\n",
+            if *md { "md raid0" } else { "raw" },
+            human(*bs),
+            rate("ram").map_or("-".to_owned(), |r| format!("{r:.0}")),
+            ratio("direct-mapped", "auto"),
+            ratio("ram-again", "auto"),
+            per("ram"),
+            per("direct-mapped"),
+            num("ram", "requests_per_io", 1),
+            num("direct-mapped", "requests_per_io", 1),
+            num("ram", "cpu_s_per_gib", 2),
+            num("direct-mapped", "cpu_s_per_gib", 2),
+            ratio("direct-mapped", "off"),
+        ));
+    }
+    // fgds's own commands on the raw drive, where they ran: the same drive's direct path.
+    for ((md, _, bs), modes) in &points {
+        let key = ("direct".to_owned(), "auto".to_owned());
+        if let (false, Some(r)) = (md, modes.get(&key)) {
+            table.push_str(&format!(
+                "\nraw {}: fgds's own commands (`direct`) {:.0} MiB/s, {} of ram.",
+                human(*bs),
+                r["mib_s"].as_f64().unwrap_or_default(),
+                fmt_ratio(r["ratio_to_ram"].as_f64())
+            ));
+        }
+    }
+    for (reason, at) in raid0_refusals(rows) {
+        table.push_str(&format!("\n`direct-mapped` refused on {at}: {reason}"));
+    }
+    table.push('\n');
+    table
+}
+
+/// Each distinct reason `direct-mapped` was refused for (without the device's name), with
+/// where: `md raid0 over 1, 2, 4 drive(s) at 1M, 4M`.
+fn raid0_refusals(rows: &[Value]) -> Vec<(String, String)> {
+    type Where = BTreeMap<String, (Vec<u64>, Vec<u64>)>;
+    let mut reasons: BTreeMap<String, Where> = BTreeMap::new();
+    for row in rows.iter().filter(|r| r["set"] == "raid0") {
+        let Some(reason) = row["refused"].as_str() else {
+            continue;
+        };
+        let reason = reason
+            .split_once("by DMA: ")
+            .map_or(reason, |(_, why)| why)
+            .to_owned();
+        let array = row["array"].as_str().unwrap_or("?").to_owned();
+        let (drives, sizes) = reasons.entry(reason).or_default().entry(array).or_default();
+        drives.push(row["drives"].as_u64().unwrap_or_default());
+        sizes.push(row["block_size"].as_u64().unwrap_or_default());
+    }
+    reasons
+        .into_iter()
+        .map(|(reason, arrays)| {
+            let at = arrays
+                .into_iter()
+                .map(|(array, (mut drives, mut sizes))| {
+                    drives.sort();
+                    drives.dedup();
+                    sizes.sort();
+                    sizes.dedup();
+                    let list = |v: Vec<String>| v.join(", ");
+                    format!(
+                        "{array} over {} drive(s) at {}",
+                        list(drives.iter().map(u64::to_string).collect()),
+                        list(sizes.into_iter().map(human).collect())
+                    )
+                })
+                .collect::<Vec<_>>();
+            (reason, at.join("; "))
+        })
+        .collect()
 }
 
 /// A boot's `# fgds-bench:` rows: the grid's, the registration cost's and the profiles.
@@ -1168,4 +1381,57 @@ where
         .map_err(|e| anyhow::format_err!("{e:?}"))?;
     area.present().map_err(|e| anyhow::format_err!("{e:?}"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(drives: u64, bs: u64, mode: &str, mib_s: f64, ratio: Option<f64>) -> Value {
+        serde_json::json!({
+            "set": "raid0", "array": "md raid0", "chunk": 512 << 10, "drives": drives,
+            "block_size": bs, "mode": mode, "mib_s": mib_s, "ratio_to_ram": ratio,
+            "requests_per_io": 2.0, "cpu_s_per_gib": if mode == "ram" { 0.5 } else { 0.6 },
+        })
+    }
+
+    #[test]
+    fn raid0_table_gives_aggregate_and_per_drive_and_refusals() {
+        let mut unfixed = row(2, 1 << 20, "direct-mapped", 7000.0, Some(0.9));
+        unfixed["fixed_buffers_asked"] = Value::from("off");
+        let rows = vec![
+            unfixed,
+            row(2, 1 << 20, "ram", 8000.0, None),
+            row(2, 1 << 20, "direct-mapped", 7600.0, Some(0.95)),
+            row(2, 1 << 20, "ram-again", 8100.0, Some(1.01)),
+            serde_json::json!({
+                "set": "raid0", "array": "md raid0", "drives": 4, "block_size": 4 << 20,
+                "mode": "direct-mapped", "refused": "mode direct-mapped cannot be measured on /dev/md4: its mapped address does not reach the file by DMA: its block device's queue takes no P2PDMA pages",
+            }),
+            row(4, 4 << 20, "ram", 9000.0, None),
+        ];
+        let table = raid0_table(&rows, "debian:7.3", "7.3-amd64", 4);
+        assert!(
+            table.contains("--drives 4 --raid0 --kernel debian:7.3"),
+            "{table}"
+        );
+        assert!(table.contains("512K chunks"), "{table}");
+        assert!(
+            table.contains(
+                "`direct-mapped` refused on md raid0 over 4 drive(s) at 4M: its block device's \
+                 queue takes no P2PDMA pages"
+            ),
+            "{table}"
+        );
+        assert!(
+            table.contains(
+                "| md raid0 | 2 | 1M | 8000 | 7600 | 0.95 | 1.01 | 4000, 3800 | 2.0, 2.0 | 0.50, 0.60 | 0.90 |"
+            ),
+            "{table}"
+        );
+        assert!(
+            table.contains("| md raid0 | 4 | 4M | 9000 | refused | - |"),
+            "{table}"
+        );
+    }
 }

@@ -56,6 +56,12 @@ pub struct Options {
     /// Bytes of GPU memory (the ivshmem BAR; a power of two).
     #[arg(long, default_value_t = pattern::GPU_MEMORY_BYTES)]
     pub gpu_bytes: u64,
+    /// NVMe drives behind the GPU's switch (1 to 8): the raw drive, the second drive, then
+    /// drives of the second's size (128 MiB, sparse), serials `fgds-drive3` and up. The
+    /// default, 2, is the rig's machine as it always was; the suite's cases of the second
+    /// drive need it.
+    #[arg(long, default_value_t = DEFAULT_DRIVES, value_parser = clap::value_parser!(u8).range(1..=machine::MAX_DRIVES as i64))]
+    pub drives: u8,
     /// Run these programs of tests/ (name and timeout) instead of the suite.
     #[arg(skip)]
     pub programs: Vec<(String, u64)>,
@@ -110,6 +116,7 @@ impl Options {
             append: String::new(),
             gpu_bytes: pattern::GPU_MEMORY_BYTES,
             gpus: 1,
+            drives: DEFAULT_DRIVES,
             programs: Vec::new(),
             nvme_mdts: None,
             filesystems: false,
@@ -123,6 +130,9 @@ pub enum AccelArg {
     Tcg,
     Kvm,
 }
+
+/// The machine's drives unless `--drives` says otherwise: the raw drive and the second one.
+pub const DEFAULT_DRIVES: u8 = 2;
 
 /// TCG's host threads unless `--tcg-threads` says otherwise: one. With a thread per vCPU,
 /// QEMU (7.2 and 10.0 alike) can keep a translation of code that another vCPU is rewriting, so
@@ -422,11 +432,13 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         initrd,
         ..
     } = prepared;
+    // Drives three and up, each of the second's size.
+    let more_drives = usize::from(opts.drives).saturating_sub(2);
     let memory = run_memory::create(
         run_dir,
         opts.gpu_bytes,
         pattern::NVME_IMAGE_BYTES
-            + 4 * disk::SMALL_DRIVE_BYTES
+            + (4 + more_drives as u64) * disk::SMALL_DRIVE_BYTES
             + if opts.gpus > 1 { opts.gpu_bytes } else { 0 }
             + disk::XFS_DRIVE_BYTES
             + disk::BTRFS_DRIVE_BYTES,
@@ -445,7 +457,14 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
     } else {
         (None, None)
     };
-    let nvme2_image = memory.drive("nvme2.img")?;
+    let nvme2_image = if opts.drives >= 2 {
+        Some(memory.drive("nvme2.img")?)
+    } else {
+        None
+    };
+    let extra_drives = (3..3 + more_drives)
+        .map(|n| memory.drive(&format!("drive{n}.img")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     // A drive outside the GPU's switch only for a run with a program that uses it (`+field`).
     let far_image = if suite.iter().any(|e| e.field) {
         Some(memory.drive("far.img")?)
@@ -468,7 +487,9 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
             disk::write_fs_image(xfs, "xfs", disk::XFS_DRIVE_BYTES)?;
             disk::write_fs_image(btrfs, "btrfs", disk::BTRFS_DRIVE_BYTES)?;
         }
-        disk::write_gpu_backing(&nvme2_image, disk::SMALL_DRIVE_BYTES)?;
+        for image in nvme2_image.iter().chain(&extra_drives) {
+            disk::write_gpu_backing(image, disk::SMALL_DRIVE_BYTES)?;
+        }
         if let Some(far) = &far_image {
             disk::write_gpu_backing(far, disk::SMALL_DRIVE_BYTES)?;
         }
@@ -485,7 +506,7 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         // Where vfio is built in (the comparator kernel), its type1 parameter comes from the
         // command line; where it is a module the init passes it at load (VFIO_MODULES).
         cmdline: format!(
-            "{} {} {} {}",
+            "{} {} {} {} {}",
             opts.append,
             if run_config.exporter == expected::Exporter::Vfio {
                 guest::VFIO_BUILTIN_PARAMS
@@ -499,6 +520,12 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
                 "fgds.far=1"
             } else {
                 ""
+            },
+            // The init waits for this many drives, and the tests find them (FGDS_DRIVES).
+            if opts.drives == DEFAULT_DRIVES {
+                String::new()
+            } else {
+                format!("fgds.drives={}", opts.drives)
             }
         )
         .split_whitespace()
@@ -522,6 +549,7 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         xfs_image,
         btrfs_image,
         nvme2_image,
+        extra_drives,
         far_image,
         run_dir: run_dir.clone(),
     };

@@ -36,7 +36,165 @@ fn main() {
             name: "files",
             run: files,
         },
+        Case {
+            name: "raid0",
+            run: raid0,
+        },
     ])
+}
+
+/// Where each drive's part of an array starts: past the raw drive's pattern (its first 64 MiB)
+/// and clear of its fault areas (240 MiB on); the same on every drive.
+const RAID0_MEMBER_OFFSET: u64 = 64 << 20;
+/// Bytes of each drive in an array (the second drive and those after it have 128 MiB).
+const RAID0_MEMBER_BYTES: u64 = 64 << 20;
+/// md's chunk: mdadm's default.
+const RAID0_CHUNK: u64 = 512 << 10;
+
+/// Several drives (`fgds.bench=raid0`, `cargo xtask bench --drives N --raid0`): md RAID0 over
+/// the first 1, 2, 4 (and 8) of the machine's drives in turn, the same 64 MiB of each, in
+/// chunks of 512 KiB, and the first drive's range alone beside them ([`raid0_point`]). fgds's own
+/// commands refuse md (its disk has no PCI device to check), so the GPU's side is the
+/// registration's mapped address (`direct-mapped`), as the crate reads md, which the mode takes
+/// only where fgds's gate takes every member. Each row carries `drives` and `array`; where the
+/// mapped address cannot be measured (a kernel whose md takes no P2PDMA pages), a row with
+/// `refused` (the bench's error) stands for it and `ram` runs alone.
+fn raid0() -> CaseResult {
+    if kind() != "raid0" {
+        return ktap::skip("only with fgds.bench=raid0");
+    }
+    let drives = fgds_tests::guest::drives()?;
+    for drive in &drives {
+        // Requests up to the driver's limit reach each member whole (md takes its limits
+        // from its members when it is assembled, and caps requests at its chunk).
+        fgds_tests::guest::max_sectors_to_hw(drive)?;
+        fill_member(drive)?;
+    }
+    let counts = [1usize, 2, 4, 8]
+        .into_iter()
+        .filter(|&n| n <= drives.len())
+        .collect::<Vec<_>>();
+    ktap::diag(format_args!(
+        "md RAID0 over {counts:?} of the {} drives: {}",
+        drives.len(),
+        drives
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    // The first drive's range itself, without md, beside the arrays: what md costs, and
+    // fgds's own commands (`direct`) where they take the drive.
+    raid0_point(&drives[0], RAID0_MEMBER_OFFSET, 1, "raw")?;
+    for n in counts {
+        let members = drives[..n]
+            .iter()
+            .map(|d| (d.as_path(), RAID0_MEMBER_OFFSET))
+            .collect::<Vec<_>>();
+        let md = fgds_tests::guest::Md::raid0(
+            &format!("md_bench{n}"),
+            &members,
+            RAID0_MEMBER_BYTES,
+            RAID0_CHUNK,
+        )?;
+        match fgds_tests::guest::max_sectors_to_hw(&md.path) {
+            Ok(kb) => ktap::diag(format_args!(
+                "{}: requests of up to {kb} KiB",
+                md.path.display()
+            )),
+            Err(err) => ktap::diag(format_args!("{}: {err:#}", md.path.display())),
+        }
+        raid0_point(&md.path, 0, n, "md raid0")?;
+        drop(md);
+    }
+    ktap::pass()
+}
+
+/// One array (or the raw drive's range at `offset`) of `drives` drives: `ram`, `direct-mapped`
+/// and `ram-again` (with fgds's `direct` after them on the raw drive) at 1 and 4 MiB, depth 32,
+/// then `ram` and `direct-mapped` again with no fixed buffers (both pinning their pages per
+/// request: what the mapped address costs beyond that). Emits the rows.
+fn raid0_point(
+    path: &std::path::Path,
+    offset: u64,
+    drives: usize,
+    array: &str,
+) -> anyhow::Result<()> {
+    let path = path.to_string_lossy().into_owned();
+    let span = drives as u64 * RAID0_MEMBER_BYTES;
+    for bs in [1u64 << 20, 4 << 20] {
+        let qd = 32;
+        let bench = |fixed: &str, modes: &[&str]| {
+            fgds_bench_fixed(
+                fixed,
+                &path,
+                "read",
+                bs,
+                qd,
+                Amount::Seconds(1.0),
+                offset,
+                span,
+                "5",
+                modes,
+            )
+        };
+        let emit = |fixed: &str, rows: Vec<serde_json::Value>| {
+            for mut row in rows {
+                row["drives"] = serde_json::Value::from(drives);
+                row["array"] = serde_json::Value::from(array);
+                row["chunk"] = serde_json::Value::from(RAID0_CHUNK);
+                row["fixed_buffers_asked"] = serde_json::Value::from(fixed);
+                row["set"] = serde_json::Value::from("raid0");
+                ktap::diag(format_args!("fgds-bench: {row}"));
+            }
+        };
+        let modes: &[&str] = if array == "raw" {
+            &["ram", "direct-mapped", "ram-again", "direct"]
+        } else {
+            &["ram", "direct-mapped", "ram-again"]
+        };
+        match bench("auto", modes) {
+            Ok(rows) => {
+                emit("auto", rows);
+                emit("off", bench("off", &["ram", "direct-mapped"])?);
+            }
+            Err(err) if !format!("{err:#}").contains(MAPPED_REFUSAL) => return Err(err),
+            // The mapped address does not reach the array here (fgds bench's refusal): `ram`
+            // alone, and why. Any other failure fails the case.
+            Err(err) => {
+                let text = format!("{err:#}");
+                let reason = text.rsplit("fgds: ").next().unwrap_or_default().trim();
+                let row = serde_json::json!({
+                    "drives": drives, "array": array, "set": "raid0", "op": "read",
+                    "block_size": bs, "queue_depth": qd, "mode": "direct-mapped",
+                    "fixed_buffers_asked": "auto", "refused": reason,
+                });
+                ktap::diag(format_args!("fgds-bench: {row}"));
+                emit("auto", bench("auto", &["ram", "ram-again"])?);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What `fgds bench` says where `direct-mapped`'s mapped address would not reach the file.
+const MAPPED_REFUSAL: &str = "its mapped address does not reach the file by DMA";
+
+/// Writes data over a drive's part of the arrays once, so that the bench reads data the
+/// host's image holds rather than holes (which the host reads as zeroes, without memory).
+fn fill_member(drive: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileExt;
+    const CHUNK: usize = 4 << 20;
+    let file = fgds_tests::guest::open_direct(drive, true)?;
+    let mut buf = fgds_tests::guest::AlignedBuf::new(CHUNK)?;
+    for at in (0..RAID0_MEMBER_BYTES).step_by(CHUNK) {
+        let offset = RAID0_MEMBER_OFFSET + at;
+        fgds_tests::pattern::fill(0x3a1d, offset, buf.as_mut_slice());
+        file.write_all_at(buf.as_slice(), offset)
+            .with_context(|| format!("cannot write {} at {offset}", drive.display()))?;
+    }
+    file.sync_all()
+        .with_context(|| format!("cannot flush {}", drive.display()))
 }
 
 /// What the file system costs: `ram` and `direct` reading and writing a file on each file
@@ -142,11 +300,30 @@ fn fgds_bench(
     repeat: &str,
     modes: &[&str],
 ) -> anyhow::Result<Vec<serde_json::Value>> {
+    let fixed = std::env::var("FGDS_FIXED_BUFFERS").unwrap_or_else(|_| "auto".to_owned());
+    fgds_bench_fixed(
+        &fixed, nvme, op, bs, qd, amount, offset, span, repeat, modes,
+    )
+}
+
+/// [`fgds_bench`] with `fgds bench --fixed-buffers FIXED`.
+#[allow(clippy::too_many_arguments)]
+fn fgds_bench_fixed(
+    fixed: &str,
+    nvme: &str,
+    op: &str,
+    bs: u64,
+    qd: u64,
+    amount: Amount,
+    offset: u64,
+    span: u64,
+    repeat: &str,
+    modes: &[&str],
+) -> anyhow::Result<Vec<serde_json::Value>> {
     let (amount_flag, amount) = match amount {
         Amount::Bytes(n) => ("--total", n.to_string()),
         Amount::Seconds(s) => ("--seconds", s.to_string()),
     };
-    let fixed = std::env::var("FGDS_FIXED_BUFFERS").unwrap_or_else(|_| "auto".to_owned());
     let (bs, qd, offset, span) = (
         bs.to_string(),
         qd.to_string(),
@@ -174,7 +351,7 @@ fn fgds_bench(
         "--repeat",
         repeat,
         "--fixed-buffers",
-        &fixed,
+        fixed,
         "--json",
     ];
     for mode in modes {
@@ -200,8 +377,8 @@ fn fgds_bench(
 }
 
 fn grid() -> CaseResult {
-    if kind() == "profile" || kind() == "files" {
-        return ktap::skip("fgds.bench=profile and files run only their own");
+    if matches!(kind().as_str(), "profile" | "files" | "raid0") {
+        return ktap::skip("fgds.bench=profile, files and raid0 run only their own");
     }
     let nvme = fgds_tests::guest::nvme_path()?
         .to_string_lossy()
@@ -297,8 +474,8 @@ fn list_override(var: &str) -> anyhow::Result<Option<Vec<u64>>> {
 /// GPU's node, which sets its page provider up, and pinning the buffer as a fixed buffer.
 fn registration_cost() -> CaseResult {
     const GIB: u64 = 1 << 30;
-    if kind() == "profile" || kind() == "files" {
-        return ktap::skip("fgds.bench=profile and files run only their own");
+    if matches!(kind().as_str(), "profile" | "files" | "raid0") {
+        return ktap::skip("fgds.bench=profile, files and raid0 run only their own");
     }
     if p2pmem_set() {
         return ktap::skip("the p2pmem boot runs only the grid (fgds takes vgpu's pages there)");

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use common::{MIB, ioctl_io};
 use fgds::uapi;
-use fgds_tests::guest::{AlignedBuf, LoopDevice};
+use fgds_tests::guest::{AlignedBuf, LoopDevice, Md};
 use fgds_tests::ktap::{self, Case, CaseResult};
 use fgds_tests::{ctl, pattern};
 use io_uring::squeue::{Entry, Entry128};
@@ -540,61 +540,6 @@ fn crate_bounces_saying_why(path: &Path, what: &str, why: &str) -> anyhow::Resul
          with the driver's reason ({why:?})"
     );
     Ok(())
-}
-
-/// An md RAID0 array without a superblock over a range of each member (md's sysfs, as
-/// `mdadm --build` does it), stopped when dropped.
-struct Md {
-    name: String,
-    path: PathBuf,
-}
-
-impl Md {
-    /// `member_bytes` of each of `members` (a block device and the byte offset of the range),
-    /// striped in chunks of `chunk` bytes.
-    fn raid0(
-        name: &str,
-        members: &[(&Path, u64)],
-        member_bytes: u64,
-        chunk: u64,
-    ) -> anyhow::Result<Md> {
-        std::fs::write("/sys/module/md_mod/parameters/new_array", name)
-            .with_context(|| format!("create md array {name}"))?;
-        let md = Md {
-            name: name.to_owned(),
-            path: PathBuf::from(format!("/dev/{name}")),
-        };
-        let dir = PathBuf::from(format!("/sys/block/{name}/md"));
-        let put = |path: PathBuf, value: String| {
-            std::fs::write(&path, &value)
-                .with_context(|| format!("write {value:?} to {}", path.display()))
-        };
-        put(dir.join("metadata_version"), "none".into())?;
-        put(dir.join("level"), "raid0".into())?;
-        put(dir.join("chunk_size"), chunk.to_string())?;
-        put(dir.join("raid_disks"), members.len().to_string())?;
-        for (slot, (dev, offset)) in members.iter().enumerate() {
-            let st = rustix::fs::stat(*dev).with_context(|| format!("stat {}", dev.display()))?;
-            let (major, minor) = (rustix::fs::major(st.st_rdev), rustix::fs::minor(st.st_rdev));
-            put(dir.join("new_dev"), format!("{major}:{minor}"))?;
-            let name = dev.file_name().context("a member without a name")?;
-            let rdev = dir.join(format!("dev-{}", name.to_string_lossy()));
-            put(rdev.join("offset"), (offset / 512).to_string())?;
-            put(rdev.join("size"), (member_bytes / 1024).to_string())?;
-            put(rdev.join("slot"), slot.to_string())?;
-        }
-        put(dir.join("array_state"), "active".into())?;
-        fgds_tests::guest::wait_for_node(&md.path)?;
-        Ok(md)
-    }
-}
-
-impl Drop for Md {
-    fn drop(&mut self) {
-        let state = format!("/sys/block/{}/md/array_state", self.name);
-        let _ = std::fs::write(&state, "inactive");
-        let _ = std::fs::write(&state, "clear");
-    }
 }
 
 /// md RAID0 over ranges of the two drives, both behind the GPU's switch. fgds's own I/O refuses

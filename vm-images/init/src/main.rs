@@ -375,6 +375,9 @@ struct Drives {
     ext4: Option<String>,
     /// Serial `fgds1`, namespace 1: a second drive, on its own hot-pluggable slot.
     nvme2: Option<String>,
+    /// Serials `fgds-drive3` and up, namespace 1: the further drives of `--drives N`
+    /// (kernel parameter `fgds.drives=N`), in order; a missing one is `None`.
+    more: Vec<Option<String>>,
     /// Serial `fgds0`, namespaces 3 and 4: an xfs and a btrfs filesystem, mounted at
     /// `/mnt/xfs` and `/mnt/btrfs` where the kernel has them ([`OTHER_FS`]).
     xfs: Option<String>,
@@ -396,8 +399,12 @@ const OTHER_FS: &[(&str, &str, &str, &str)] = &[
 /// Waits (bounded) for the rig's NVMe namespaces, which the driver probes asynchronously.
 fn find_drives() -> Drives {
     let deadline = Instant::now() + Duration::from_secs(20);
+    let count = drive_count();
     loop {
-        let mut drives = Drives::default();
+        let mut drives = Drives {
+            more: vec![None; count.saturating_sub(2)],
+            ..Drives::default()
+        };
         for entry in fs::read_dir("/sys/block").into_iter().flatten().flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             let Some(rest) = name.strip_prefix("nvme") else {
@@ -420,13 +427,23 @@ fn find_drives() -> Drives {
                 ("fgds0", "3") => drives.xfs = Some(dev),
                 ("fgds0", "4") => drives.btrfs = Some(dev),
                 ("fgds1", "1") => drives.nvme2 = Some(dev),
+                (serial, "1") => {
+                    let n = serial
+                        .strip_prefix("fgds-drive")
+                        .and_then(|n| n.parse::<usize>().ok());
+                    if let Some(slot) = n.and_then(|n| drives.more.get_mut(n.wrapping_sub(3))) {
+                        *slot = Some(dev);
+                    }
+                }
                 _ => {}
             }
         }
         let ready = |d: &Option<String>| d.as_deref().is_some_and(|p| Path::new(p).exists());
         let fs = wants_other_fs();
-        let all = [&drives.nvme, &drives.ext4, &drives.nvme2]
+        let all = [&drives.nvme, &drives.ext4]
             .into_iter()
+            .chain([&drives.nvme2].into_iter().filter(|_| count >= 2))
+            .chain(drives.more.iter())
             .chain([&drives.xfs, &drives.btrfs].into_iter().filter(|_| fs))
             .all(ready);
         if all || Instant::now() > deadline {
@@ -446,13 +463,24 @@ fn prepare_drives() -> (Drives, Vec<String>) {
                 .to_owned(),
         );
     }
-    if drives.nvme2.is_none() {
+    if drives.nvme2.is_none() && drive_count() >= 2 {
         errors.push("no NVMe namespace of serial fgds1 (the second drive)".to_owned());
+    }
+    for (i, dev) in drives.more.iter().enumerate() {
+        if dev.is_none() {
+            errors.push(format!(
+                "no NVMe namespace 1 of serial fgds-drive{} (drive {} of fgds.drives={})",
+                i + 3,
+                i + 3,
+                drive_count()
+            ));
+        }
     }
     // fgds's own reads and writes of P2PDMA pages need queues that never merge
     // (driver/fgds/gate.c); the rig sets it on every kernel alike.
     for dev in [&drives.nvme, &drives.ext4, &drives.nvme2]
         .into_iter()
+        .chain(drives.more.iter())
         .flatten()
     {
         if let Err(err) = set_nomerges(dev) {
@@ -515,6 +543,16 @@ fn prepare_drives() -> (Drives, Vec<String>) {
 
 /// Whether the host attached the xfs and btrfs namespaces (`fgds.fs=1` on the command line:
 /// a program of the run uses them).
+/// How many drives the machine has (`fgds.drives=N`, `cargo xtask test-vm --drives N`): 2
+/// where not given, the rig's machine of old.
+fn drive_count() -> usize {
+    fs::read_to_string("/proc/cmdline")
+        .unwrap_or_default()
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("fgds.drives=")?.parse().ok())
+        .unwrap_or(2)
+}
+
 fn wants_other_fs() -> bool {
     fs::read_to_string("/proc/cmdline")
         .is_ok_and(|c| c.split_whitespace().any(|w| w == "fgds.fs=1"))

@@ -22,6 +22,12 @@
 //!   next request; at depth 1 the read and the copy take turns, as a synchronous `cuFileRead()`
 //!   in compatibility mode does;
 //! - `p2pmem`: into upstream P2PDMA memory, `/sys/bus/pci/devices/<bdf>/p2pmem/allocate`;
+//! - `direct-mapped` (only when asked for): into the same registration as `direct`, through its
+//!   mapped address: io_uring `READ`/`WRITE` of `O_DIRECT`, each request pinning its pages while
+//!   in flight (GPU memory is never an io_uring fixed buffer), the block layer mapping them for
+//!   each drive's DMA. This is how the crate reads what fgds's own commands refuse though the
+//!   mapping reaches it: md RAID0 whose every member the gate takes (`fgds::gate`). The mode is
+//!   refused, with the gate's reason, where the mapped address would not reach the file by DMA;
 //! - `uring-dmabuf` (only when asked for): into the same GPU memory as `direct`, through the
 //!   kernel's own dma-buf registered buffers where the kernel has them (`fgds::upstream`,
 //!   Begunkov's series): the NVMe driver imports the dma-buf, `READ_FIXED`/`WRITE_FIXED` at
@@ -54,7 +60,8 @@ pub struct Options {
     #[command(flatten)]
     source: Source,
     /// Modes to run, in order (repeatable): ram, direct, bounce, p2pmem, or all (those four);
-    /// also bounce-serial, ram-again, ram-split and uring-dmabuf, only when named.
+    /// also bounce-serial, ram-again, ram-split, uring-dmabuf and direct-mapped, only when
+    /// named.
     #[arg(long = "mode", default_values_t = ["all".to_owned()])]
     modes: Vec<String>,
     /// read (file to memory) or write (memory to file).
@@ -126,7 +133,13 @@ const MODES: &[&str] = &["ram", "direct", "bounce", "p2pmem"];
 /// requests capped at [`SPLIT_KB`] (`max_sectors_kb`; QEMU's NVMe with its default `mdts` 7
 /// takes no more), so that an I/O larger than that is split into several requests, and a
 /// `REQ_NOWAIT` one handed from io_uring to an io-wq worker first (the rig's old baseline).
-const EXTRA_MODES: &[&str] = &["bounce-serial", "ram-again", "ram-split", "uring-dmabuf"];
+const EXTRA_MODES: &[&str] = &[
+    "bounce-serial",
+    "ram-again",
+    "ram-split",
+    "uring-dmabuf",
+    "direct-mapped",
+];
 
 /// The request size `ram-split` caps the drive at, in KiB.
 const SPLIT_KB: u64 = 512;
@@ -236,6 +249,21 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         let region = region_len(opts, slot_count(opts, mode == "bounce"));
         let target = make_target(mode, opts, region * opts.threads, write)
             .with_context(|| format!("mode {mode} cannot be set up, so it cannot be measured"))?;
+        if let Target::Direct {
+            buffer,
+            mapped: true,
+            ..
+        } = &target
+        {
+            let why = mapping_reaches(buffer, &file, write).with_context(|| {
+                format!(
+                    "mode {mode} cannot be measured on {}: its mapped address does not reach \
+                     the file by DMA",
+                    file_path.display()
+                )
+            })?;
+            eprintln!("bench: {mode}: {why}");
+        }
         let (rings, fixed) = match make_rings(&target, opts, region, &file) {
             Ok(made) => made,
             Err(err) => bail!("{mode}: {err:#}"),
@@ -455,7 +483,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
 fn gdsio_line(row: &serde_json::Value) -> String {
     let mode = row["mode"].as_str().unwrap_or_default();
     let xfer = match mode {
-        "direct" | "p2pmem" | "uring-dmabuf" => "GPUD",
+        "direct" | "direct-mapped" | "p2pmem" | "uring-dmabuf" => "GPUD",
         "ram" | "ram-again" | "ram-split" => "CPUONLY",
         "bounce" | "bounce-serial" => "CPU_GPU",
         other => other,
@@ -497,9 +525,12 @@ struct ModeRun {
 enum Target {
     Ram(Anon),
     /// The registration is dropped before the memory it covers (fields drop in order).
+    /// `mapped`: requests name the registration's mapped address (`direct-mapped`), not its
+    /// token.
     Direct {
         buffer: fgds::Buffer,
         _dmabuf: crate::Dmabuf,
+        mapped: bool,
     },
     /// The GPU side is dropped before the RAM it may have pinned. `spare`: a slot more than
     /// the queue depth (`bounce`), or none (`bounce-serial`).
@@ -650,7 +681,7 @@ fn ram(len: usize) -> anyhow::Result<Anon> {
 fn make_target(mode: &str, opts: &Options, len: usize, write: bool) -> anyhow::Result<Target> {
     match mode {
         "ram" | "ram-again" | "ram-split" => Ok(Target::Ram(ram(len)?)),
-        "direct" => {
+        "direct" | "direct-mapped" => {
             // Whole 2 MiB, as `ram` gets: GPU memory comes in large allocations, and fgds maps
             // a buffer's aligned 2 MiB with PMDs, a smaller one 4 KiB at a time.
             let len = len.next_multiple_of(HUGE_PAGE);
@@ -658,6 +689,7 @@ fn make_target(mode: &str, opts: &Options, len: usize, write: bool) -> anyhow::R
             Ok(Target::Direct {
                 buffer: gpu.register(dmabuf.fd(), 0, len as u64)?,
                 _dmabuf: dmabuf,
+                mapped: mode == "direct-mapped",
             })
         }
         "bounce" | "bounce-serial" => {
@@ -995,6 +1027,12 @@ fn make_rings(
     if opts.fixed_buffers == FixedBuffers::Off {
         return Ok((rings, Err("--fixed-buffers off".to_owned())));
     }
+    if let Target::Direct { mapped: true, .. } = target {
+        return Ok((
+            rings,
+            Err("the mapped address: GPU memory is never pinned long-term".to_owned()),
+        ));
+    }
     if let Target::Direct { buffer, .. } = target {
         return match fgds_commands(&mut rings[0], buffer) {
             Ok(()) => Ok((rings, Ok(Fixed::Command))),
@@ -1022,6 +1060,41 @@ fn make_rings(
         }
     }
     Ok((rings, Ok(Fixed::Pinned)))
+}
+
+/// Whether the registration's mapped address reaches `file` by DMA, as the crate decides
+/// before it reads through it: fgds's gate takes the file, or refuses it only because its queue
+/// may merge (user pages never merge), or it is on a disk without a PCI device (md) whose every
+/// member the gate takes. Says which, or fails with the gate's reason.
+fn mapping_reaches(buffer: &fgds::Buffer, file: &File, write: bool) -> anyhow::Result<String> {
+    use fgds::gate::{Gate, Verdict, describe_members};
+    let verdict = buffer
+        .check_file(file, write)
+        .context("FGDS_IOCTL_CHECK_FILE")?;
+    match verdict.gate {
+        Gate::Direct | Gate::Merges => Ok(format!(
+            "fgds's gate takes the file ({}): requests name the mapped address",
+            verdict.gate.name()
+        )),
+        Gate::NoPci => {
+            let members = buffer.check_members(file, write);
+            let all = !members.is_empty()
+                && members
+                    .iter()
+                    .all(|(_, v)| v.as_ref().is_ok_and(Verdict::mapping_reaches));
+            if all {
+                Ok(format!(
+                    "every member reaches the GPU ({}): requests name the mapped address",
+                    describe_members(&members)
+                ))
+            } else if members.is_empty() {
+                bail!("{}, and it has no members to check", verdict.explain())
+            } else {
+                bail!("{}", describe_members(&members))
+            }
+        }
+        _ => bail!("{}", verdict.explain()),
+    }
 }
 
 /// Whether fgds takes `FGDS_URING_CMD_READ`/`WRITE`: a command of no length is refused with

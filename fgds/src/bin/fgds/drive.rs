@@ -1,6 +1,8 @@
 //! The block device behind the benchmark's file, as the guest's sysfs shows it: the queue
 //! limits that decide whether a request reaches the drive whole or split, and the count of
 //! requests the drive completed, so that each mode's row says how many requests one I/O took.
+//! On a stacked device (md RAID0) the requests counted are its members' (sysfs `slaves`): the
+//! drives', not the array's own count of the I/Os it was given.
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -14,6 +16,8 @@ pub struct Drive {
     dev: PathBuf,
     /// The disk's `queue/` directory.
     queue: PathBuf,
+    /// The members' directories where the disk is stacked on others (md): `slaves/*`.
+    members: Vec<PathBuf>,
 }
 
 /// Requests completed so far, reads and writes (`stat`, fields 1 and 5).
@@ -65,9 +69,19 @@ impl Drive {
         } else {
             dev.clone()
         };
+        let mut members = std::fs::read_dir(disk.join("slaves"))
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter_map(|e| e.path().canonicalize().ok())
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default();
+        members.sort();
         Ok(Drive {
             queue: disk.join("queue"),
             dev,
+            members,
         })
     }
 
@@ -99,21 +113,38 @@ impl Drive {
         })
     }
 
+    /// Requests the drive completed so far; on a stacked device, its members' together.
     pub fn completed(&self) -> anyhow::Result<Completed> {
-        let path = self.dev.join("stat");
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        let field = |i: usize| {
-            text.split_whitespace()
-                .nth(i)
-                .and_then(|v| v.parse::<u64>().ok())
-                .with_context(|| format!("{}: no field {i} in {text:?}", path.display()))
-        };
-        Ok(Completed {
-            reads: field(0)?,
-            writes: field(4)?,
-        })
+        if self.members.is_empty() {
+            return completed(&self.dev);
+        }
+        self.members
+            .iter()
+            .try_fold(Completed::default(), |sum, m| {
+                let c = completed(m)?;
+                Ok(Completed {
+                    reads: sum.reads + c.reads,
+                    writes: sum.writes + c.writes,
+                })
+            })
     }
+}
+
+/// The counts of `dir/stat` (a disk's or a partition's sysfs directory).
+fn completed(dir: &Path) -> anyhow::Result<Completed> {
+    let path = dir.join("stat");
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let field = |i: usize| {
+        text.split_whitespace()
+            .nth(i)
+            .and_then(|v| v.parse::<u64>().ok())
+            .with_context(|| format!("{}: no field {i} in {text:?}", path.display()))
+    };
+    Ok(Completed {
+        reads: field(0)?,
+        writes: field(4)?,
+    })
 }
 
 /// The source of the mount that holds `file` (the longest mount point of /proc/self/mountinfo
