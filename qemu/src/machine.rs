@@ -373,22 +373,23 @@ pub fn args(config: &Config) -> Vec<String> {
 /// reaches only through the host bridge; with a vIOMMU, on root ports of their own like every
 /// other device. Enumerated after the first switch, so the first GPU keeps the lower address.
 fn second_gpu_args(config: &Config, second: &SecondGpu, push: &mut impl FnMut(&[&str])) {
-    let (gpu_port, drive_port) = ("gpu1port", "dn4");
+    // Chassis and slots 20 and up: clear of the first switch's and the further drives' ports.
+    let (gpu_port, drive_port) = ("gpu1port", "nvme3port");
     if config.iommu {
         for (i, port) in [gpu_port, drive_port].iter().enumerate() {
             push(&[
                 "-device",
                 &format!(
                     "pcie-root-port,id={port},bus=pcie.0,chassis={},slot={}",
-                    i + 13,
-                    i + 13
+                    i + 23,
+                    i + 23
                 ),
             ]);
         }
     } else {
         push(&[
             "-device",
-            "pcie-root-port,id=rp1,bus=pcie.0,chassis=10,slot=10",
+            "pcie-root-port,id=rp1,bus=pcie.0,chassis=20,slot=20",
         ]);
         push(&["-device", "x3130-upstream,id=up1,bus=rp1"]);
         for (i, port) in [gpu_port, drive_port].iter().enumerate() {
@@ -396,7 +397,7 @@ fn second_gpu_args(config: &Config, second: &SecondGpu, push: &mut impl FnMut(&[
                 "-device",
                 &format!(
                     "xio3130-downstream,id={port},bus=up1,chassis={},slot=0",
-                    i + 11
+                    i + 21
                 ),
             ]);
         }
@@ -744,6 +745,42 @@ mod tests {
         assert_eq!(splats.len(), 1, "the splat after the bad bytes is found");
         assert_eq!(splats[0].test.as_deref(), Some("smoke"));
         assert_eq!(super::read_log(&path), "", "a missing log reads empty");
+    }
+
+    /// Every port and device id, and every chassis, once: with eight drives and a second GPU,
+    /// with and without the vIOMMU.
+    #[test]
+    fn ids_and_chassis_are_unique_with_every_option() {
+        for iommu in [false, true] {
+            let mut c = config(Accel::Tcg(TcgThreads::Single));
+            c.iommu = iommu;
+            c.extra_drives = (3..=8).map(|n| format!("d{n}.img").into()).collect();
+            c.far_image = Some("far.img".into());
+            c.second_gpu = Some(SecondGpu {
+                backing: "gpu1".into(),
+                drive_image: "nvme3.img".into(),
+            });
+            let args = args(&c);
+            let devices = args
+                .windows(2)
+                .filter(|w| w[0] == "-device" || w[0] == "-object" || w[0] == "-blockdev")
+                .map(|w| w[1].as_str())
+                .collect::<Vec<_>>();
+            for key in ["id=", "chassis=", "node-name="] {
+                let mut values = devices
+                    .iter()
+                    .filter_map(|d| d.split(',').find_map(|p| p.strip_prefix(key)))
+                    .collect::<Vec<_>>();
+                let all = values.len();
+                values.sort();
+                values.dedup();
+                assert_eq!(
+                    values.len(),
+                    all,
+                    "iommu {iommu}: a {key} twice in {devices:?}"
+                );
+            }
+        }
     }
 
     #[test]
