@@ -170,7 +170,7 @@ fn p2p_allowed(gpu: &Gpu, drive: &Drive) -> anyhow::Result<bool> {
 /// GPU (EOPNOTSUPP: GENERIC pages where a drive cannot reach it), with the mode it shows.
 fn register(gpu: &Gpu) -> anyhow::Result<Result<(OwnedFd, u64), String>> {
     let (dmabuf, _) = common::alloc(&gpu.vgpu, LEN)?;
-    fgds::CpuMapping::new(dmabuf.as_fd(), LEN as usize)?.write(0, &[SENTINEL; LEN as usize]);
+    fgds::CpuMapping::new(dmabuf.as_fd(), LEN as usize)?.write(0, &vec![SENTINEL; LEN as usize]);
     match common::reg(&gpu.node, dmabuf.as_fd(), 0, LEN) {
         Ok(idx) => Ok(Ok((dmabuf, idx))),
         Err(e) if e == rustix::io::Errno::OPNOTSUPP => {
