@@ -25,6 +25,9 @@ pub struct CiRun {
     pub comparator: Option<&'static str>,
     /// Why this configuration is in CI.
     pub proves: &'static str,
+    /// About what its machine costs in seconds (a fresh clone's CI, `target/ci-costs.txt`),
+    /// for the order CI starts machines in: dearest first.
+    pub secs: u32,
 }
 
 /// The runs CI makes. Each configuration runs what only it proves: the whole suite where the
@@ -42,6 +45,7 @@ pub const CI_RUNS: [CiRun; 9] = [
         only: &[],
         comparator: None,
         proves: "the LTS users run: GENERIC pages (no CONFIG_PCI_P2PDMA), everything",
+        secs: 120,
     },
     CiRun {
         kernel: "debian:7.3",
@@ -52,6 +56,7 @@ pub const CI_RUNS: [CiRun; 9] = [
         only: &[],
         comparator: None,
         proves: "the newest kernel: P2PDMA pages, DMABUF_DEBUG, everything",
+        secs: 80,
     },
     CiRun {
         kernel: "debian:7.3",
@@ -70,6 +75,7 @@ pub const CI_RUNS: [CiRun; 9] = [
         comparator: None,
         proves: "GENERIC pages (2 MiB mappings) on the newest kernel's mm and block layer: the \
                  programs that map, move, revoke and unplug pages",
+        secs: 50,
     },
     CiRun {
         kernel: "build:6.12+debug",
@@ -81,6 +87,7 @@ pub const CI_RUNS: [CiRun; 9] = [
         comparator: None,
         proves: "KASAN, lockdep, kmemleak and fault injection (built once from linux-source, \
                  about 12 minutes on 2 cores, then cached), everything",
+        secs: 190,
     },
     CiRun {
         kernel: "debian:7.3",
@@ -92,6 +99,7 @@ pub const CI_RUNS: [CiRun; 9] = [
         comparator: None,
         proves: "vfio-pci as the exporter (an exporter nobody here wrote), under the vIOMMU: fgds \
                  refuses it and leaves its P2PDMA state alone",
+        secs: 15,
     },
     CiRun {
         kernel: "debian:7.3",
@@ -102,6 +110,7 @@ pub const CI_RUNS: [CiRun; 9] = [
         only: &["fgds_badinput"],
         comparator: None,
         proves: "GENERIC pages under a translating IOMMU are refused (unsafe_setup_refused)",
+        secs: 8,
     },
     CiRun {
         kernel: "debian:6.12",
@@ -113,6 +122,7 @@ pub const CI_RUNS: [CiRun; 9] = [
         comparator: None,
         proves: "two GPUs behind switches of their own, each with its drive: GENERIC pages \
                  refused for both, naming the drive out of each one's reach",
+        secs: 8,
     },
     CiRun {
         kernel: "debian:7.3",
@@ -124,6 +134,7 @@ pub const CI_RUNS: [CiRun; 9] = [
         comparator: None,
         proves: "two GPUs behind switches of their own, each with its drive: P2PDMA pages, each \
                  GPU reads its own drive directly, across the switches refused",
+        secs: 8,
     },
     CiRun {
         kernel: "build:7.2+io-uring-dmabuf",
@@ -136,6 +147,7 @@ pub const CI_RUNS: [CiRun; 9] = [
         proves: "the upstream design (Begunkov's io_uring dma-buf series, built from \
                  ../shared/comparators/, about 7 minutes once): the kernel's dma-buf buffers \
                  through the series and through the crate's path",
+        secs: 35,
     },
 ];
 
@@ -239,77 +251,32 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
                 only: &[],
                 comparator: None,
                 proves: "given on the command line",
+                secs: 150,
             })
             .collect();
         &given
     };
-    let mut skips = Vec::new();
-    for run in runs {
-        let vm_opts = vm::Options {
-            fgds_pages: run.pages.to_owned(),
-            iommu: run.iommu,
-            gpus: run.gpus,
-            exporter: run.exporter.to_owned(),
-            only: run.only.iter().map(|p| (*p).to_owned()).collect(),
-            ..vm::Options::for_kernel(run.kernel)
-        };
-        let label = format!(
-            "{} pages={}{}{}{}",
-            run.kernel,
-            run.pages,
-            if run.exporter == "vgpu" {
-                String::new()
-            } else {
-                format!(" {}", run.exporter)
-            },
-            if run.iommu { " iommu" } else { "" },
-            if run.gpus > 1 {
-                format!(" gpus={}", run.gpus)
-            } else {
-                String::new()
-            }
-        );
-        eprintln!("ci: {label}: {}", run.proves);
-        if let Some(series) = run.comparator {
-            let dir = kernel::comparators_dir().join(series);
-            if !dir.is_dir() {
-                let why = format!(
-                    "the comparator series {} is not on this machine (set FGDS_COMPARATORS to \
-                     the folder that holds {series}/)",
-                    dir.display()
-                );
-                eprintln!("ci: {label}: skipped: {why}");
-                outcomes.push(Outcome {
-                    name: format!("{}::run", run.kernel),
-                    verdict: Verdict::Skip(why),
-                });
-                continue;
-            }
-        }
-        let result = stage(&mut stages, &label, || vm::run_kernel(&vm_opts));
-        outcomes.extend(or_failure(
-            &format!("{}::run", run.kernel),
-            result.map(|r| {
-                skips.push((r.config, r.expected_skips));
-                programs.push((format!("{label} ({})", r.phases), r.program_secs));
-                r.outcomes
-            }),
-        ));
-    }
-    let fuzz = crate::fuzz::Options::ci();
+    let mut jobs = runs.iter().map(Job::Run).collect::<Vec<_>>();
+    jobs.push(Job::Fuzz(crate::fuzz::Options::ci()));
+    jobs.push(Job::SelfTest);
+    let lanes = lanes();
     eprintln!(
-        "ci: the fuzzer, {} min on {} (seed {})",
-        fuzz.minutes,
-        fuzz.kernel,
-        fuzz.seed.as_deref().unwrap_or("-")
+        "ci: {} machines, {lanes} at a time (each TCG machine is one host thread)",
+        jobs.len()
     );
-    let fuzzed = stage(&mut stages, "fuzzer", || crate::fuzz::run(&fuzz));
-    outcomes.extend(or_failure("fuzz::run", fuzzed));
-    eprintln!("ci: rig self-test");
-    let selftested = stage(&mut stages, "rig self-test", || {
-        selftest::run("debian:6.12")
-    });
-    outcomes.extend(or_failure("rig-selftest::run", selftested));
+    let lanes_started = std::time::Instant::now();
+    let done = run_in_lanes(&jobs, lanes);
+    let mut skips = Vec::new();
+    for (job, done) in jobs.iter().zip(done) {
+        stages.push((job.label(), done.secs));
+        outcomes.extend(done.outcomes);
+        skips.extend(done.skips);
+        programs.extend(done.programs);
+    }
+    stages.push((
+        format!("machines, {lanes} at a time (wall)"),
+        lanes_started.elapsed().as_secs_f64(),
+    ));
     print_costs(&stages, &programs, started.elapsed().as_secs_f64());
     let passed = report::print(outcomes);
     report::print_skips(&skips);
@@ -318,6 +285,172 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// One machine CI boots: a configuration of [`CI_RUNS`], the fuzzer, or the rig's self-test.
+enum Job<'a> {
+    Run(&'a CiRun),
+    Fuzz(crate::fuzz::Options),
+    SelfTest,
+}
+
+/// What a job gave.
+#[derive(Default)]
+struct JobDone {
+    secs: f64,
+    outcomes: Vec<Outcome>,
+    /// The run's configuration and the skips the expected-outcome table expects in it.
+    skips: Vec<(String, usize)>,
+    /// The configuration with its phases, and what each of its programs cost.
+    programs: Vec<(String, Vec<(String, f64)>)>,
+}
+
+/// The fuzzer's machine: about its minutes plus the debug kernel's boot and checks.
+const FUZZ_SECS: u32 = 100;
+/// The self-test's two short boots.
+const SELFTEST_SECS: u32 = 15;
+
+impl Job<'_> {
+    fn label(&self) -> String {
+        match self {
+            Job::Run(run) => format!(
+                "{} pages={}{}{}{}",
+                run.kernel,
+                run.pages,
+                if run.exporter == "vgpu" {
+                    String::new()
+                } else {
+                    format!(" {}", run.exporter)
+                },
+                if run.iommu { " iommu" } else { "" },
+                if run.gpus > 1 {
+                    format!(" gpus={}", run.gpus)
+                } else {
+                    String::new()
+                }
+            ),
+            Job::Fuzz(_) => "fuzzer".to_owned(),
+            Job::SelfTest => "rig self-test".to_owned(),
+        }
+    }
+
+    /// About what the job costs, for the order the lanes take jobs in: dearest first.
+    fn secs(&self) -> u32 {
+        match self {
+            Job::Run(run) => run.secs,
+            Job::Fuzz(_) => FUZZ_SECS,
+            Job::SelfTest => SELFTEST_SECS,
+        }
+    }
+
+    fn run(&self) -> JobDone {
+        let label = self.label();
+        let started = std::time::Instant::now();
+        let mut done = JobDone::default();
+        match self {
+            Job::Run(run) => {
+                eprintln!("ci: {label}: {}", run.proves);
+                if let Some(series) = run.comparator {
+                    let dir = kernel::comparators_dir().join(series);
+                    if !dir.is_dir() {
+                        let why = format!(
+                            "the comparator series {} is not on this machine (set \
+                             FGDS_COMPARATORS to the folder that holds {series}/)",
+                            dir.display()
+                        );
+                        eprintln!("ci: {label}: skipped: {why}");
+                        done.outcomes.push(Outcome {
+                            name: format!("{}::run", run.kernel),
+                            verdict: Verdict::Skip(why),
+                        });
+                        return done;
+                    }
+                }
+                let vm_opts = vm::Options {
+                    fgds_pages: run.pages.to_owned(),
+                    iommu: run.iommu,
+                    gpus: run.gpus,
+                    exporter: run.exporter.to_owned(),
+                    only: run.only.iter().map(|p| (*p).to_owned()).collect(),
+                    ..vm::Options::for_kernel(run.kernel)
+                };
+                let result = vm::run_kernel(&vm_opts);
+                done.outcomes = or_failure(
+                    &format!("{}::run", run.kernel),
+                    result.map(|r| {
+                        done.skips.push((r.config, r.expected_skips));
+                        done.programs
+                            .push((format!("{label} ({})", r.phases), r.program_secs));
+                        r.outcomes
+                    }),
+                );
+            }
+            Job::Fuzz(fuzz) => {
+                eprintln!(
+                    "ci: the fuzzer, {} s on {} (seed {})",
+                    fuzz.seconds(),
+                    fuzz.kernel,
+                    fuzz.seed.as_deref().unwrap_or("-")
+                );
+                done.outcomes = or_failure("fuzz::run", crate::fuzz::run(fuzz));
+            }
+            Job::SelfTest => {
+                eprintln!("ci: rig self-test");
+                done.outcomes = or_failure("rig-selftest::run", selftest::run("debian:6.12"));
+            }
+        }
+        done.secs = started.elapsed().as_secs_f64();
+        let failed = done
+            .outcomes
+            .iter()
+            .filter(|o| matches!(o.verdict, Verdict::Fail(_)))
+            .count();
+        eprintln!(
+            "ci: {label}: done in {:.0} s, {} results, {failed} failed",
+            done.secs,
+            done.outcomes.len()
+        );
+        done
+    }
+}
+
+/// How many machines CI runs at once: one per host core (each TCG machine runs on one host
+/// thread), at most four.
+fn lanes() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, 4))
+}
+
+/// Runs `jobs` on `lanes` threads, each taking the dearest job left; returns what each gave, in
+/// the order of `jobs`.
+fn run_in_lanes(jobs: &[Job<'_>], lanes: usize) -> Vec<JobDone> {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let mut order = (0..jobs.len()).collect::<Vec<_>>();
+    order.sort_by_key(|&i| std::cmp::Reverse(jobs[i].secs()));
+    let next = AtomicUsize::new(0);
+    let results = Mutex::new(
+        (0..jobs.len())
+            .map(|_| None)
+            .collect::<Vec<Option<JobDone>>>(),
+    );
+    std::thread::scope(|scope| {
+        for _ in 0..lanes {
+            let (order, next, results) = (&order, &next, &results);
+            scope.spawn(move || {
+                while let Some(&i) = order.get(next.fetch_add(1, Ordering::SeqCst)) {
+                    vm::set_log_prefix(&format!("[{}] ", jobs[i].label()));
+                    let done = jobs[i].run();
+                    results.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(done);
+                }
+            });
+        }
+    });
+    results
+        .into_inner()
+        .unwrap_or_else(|p| p.into_inner())
+        .into_iter()
+        .map(Option::unwrap_or_default)
+        .collect()
 }
 
 /// What each stage cost, and per booted configuration its programs, dearest first; the whole

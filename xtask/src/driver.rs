@@ -99,7 +99,12 @@ fn reuse(cache: &Path) -> anyhow::Result<Option<Build>> {
 /// Keeps `build` at `cache` (written under a temporary name, then renamed: a concurrent run
 /// of the same kernel sees all of it or nothing).
 fn store(build: &Build, cache: &Path) -> anyhow::Result<()> {
-    let tmp = cache.with_extension(format!("tmp{}", std::process::id()));
+    // One name per process and thread: runs of `cargo xtask ci` prepare in threads.
+    let tmp = cache.with_extension(format!(
+        "tmp{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
     std::fs::create_dir_all(&tmp)?;
     for (name, ko) in RIG_MODULES.iter().zip(&build.kos) {
         std::fs::copy(ko, tmp.join(format!("{name}.ko")))?;

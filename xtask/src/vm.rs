@@ -191,8 +191,37 @@ pub const FGDS_PAGES: [&str; 3] = ["auto", "p2pdma", "generic"];
 /// kernel that cannot be fetched, a driver that does not build, a configuration the rig cannot
 /// run), not test failures.
 pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
-    let prepared = prepare(opts)?;
+    let prepared = {
+        let _held = PREPARING
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        prepare(opts)?
+    };
     boot(&prepared, opts, true)
+}
+
+/// Held while a run is prepared. Runs that boot side by side (`cargo xtask ci`) share what
+/// preparing builds or installs in place: the guest programs, the driver's build cache, the
+/// staged Python and fio, the host's packages. Their machines run at once; their preparations
+/// one after the other.
+static PREPARING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+thread_local! {
+    /// What this thread's progress lines start with: the configuration's name while runs
+    /// share the terminal (`cargo xtask ci`), else nothing.
+    static LOG_PREFIX: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
+
+/// Starts every progress line this thread's runs print with `prefix`.
+pub fn set_log_prefix(prefix: &str) {
+    LOG_PREFIX.with(|p| *p.borrow_mut() = prefix.to_owned());
+}
+
+/// `eprintln!` with the thread's [`LOG_PREFIX`].
+macro_rules! say {
+    ($($arg:tt)*) => {
+        LOG_PREFIX.with(|p| eprintln!("{}{}", p.borrow(), format_args!($($arg)*)))
+    };
 }
 
 /// A run made ready to boot: the kernel fetched, the driver and the guest programs built, the
@@ -242,7 +271,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
         label = format!("{label}-gpus{}", opts.gpus);
     }
     let (run_dir, lock) = claim_run_dir(&crate::project_root().join("target/vm"), &label)?;
-    eprintln!(
+    say!(
         "test-vm: {} (artifacts in {})",
         opts.kernel,
         run_dir.display()
@@ -252,7 +281,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
     host::ensure_packages(host::VM_PACKAGES)?;
     let cache = host::cache_dir()?;
     let kernel = phases.run("fetch", || kernel::prepare(&spec, &cache))?;
-    eprintln!(
+    say!(
         "  kernel {} (package {})",
         kernel.release,
         display_version(&kernel.package_version)
@@ -352,7 +381,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
             let packages = package::build(false)?;
             package::dkms_build(&packages, &opts.kernel)
         })?;
-        eprintln!("  fgds.ko from dkms: {}", ko.display());
+        say!("  fgds.ko from dkms: {}", ko.display());
         let at = driver::RIG_MODULES
             .iter()
             .position(|m| *m == "fgds")
@@ -601,13 +630,13 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
     for line in ktap.lines().filter_map(|l| l.split("fgds-report: ").nth(1)) {
         if !reports.iter().any(|r| r == line.trim()) {
             if echo {
-                eprintln!("  {}", line.trim());
+                say!("  {}", line.trim());
             }
             reports.push(line.trim().to_owned());
         }
     }
     if echo {
-        eprintln!("  phases: {}", phases.summary());
+        say!("  phases: {}", phases.summary());
     }
     let mut outcomes = vec![
         driver::build_outcome(label, build),
@@ -764,7 +793,7 @@ fn run_machine(
                 .to_owned();
             results.push((name, started.elapsed()));
             if echo {
-                eprintln!("  [{:6.1}s] {line}", started.elapsed().as_secs_f64());
+                say!("  [{:6.1}s] {line}", started.elapsed().as_secs_f64());
             }
         }
         shown = lines.len();

@@ -416,6 +416,7 @@ fn fuzz() -> CaseResult {
     let deadline = started + Duration::from_secs(cfg.seconds);
     let mut next_chaos = next_event(&mut rng, cfg.chaos);
     let mut next_kill = next_event(&mut rng, cfg.chaos);
+    let mut chaos_events = 0u64;
     let mut chaos_error = None;
     while Instant::now() < deadline && !sh.stop.load(SeqCst) {
         reap(sh, &mut workers, &killed)?;
@@ -427,7 +428,13 @@ fn fuzz() -> CaseResult {
         }
         let now = started.elapsed();
         if next_chaos.is_some_and(|t| now >= t) {
-            let unplug = rng.chance(400);
+            // The first two events are one of each kind, so that a one-minute run has both.
+            let unplug = match chaos_events {
+                0 => false,
+                1 => true,
+                _ => rng.chance(400),
+            };
+            chaos_events += 1;
             if let Err(err) = chaos(sh, unplug, &mut guards, &ranges, &mut workers, &killed) {
                 chaos_error = Some(err);
                 break;
@@ -924,8 +931,8 @@ const WEIGHTS: &[(&str, Op, u64)] = &[
     (
         "exit",
         |w, r| {
-            // About once a minute per worker at the usual rate.
-            if r.chance(50) {
+            // A few times a minute per worker at the debug kernel's rate.
+            if r.chance(200) {
                 op_exit(w)
             }
         },
