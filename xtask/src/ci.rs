@@ -213,7 +213,8 @@ pub fn ci(opts: &Options) -> anyhow::Result<ExitCode> {
     }
     eprintln!("ci: the Python package's wheel, mypy --strict and stubtest");
     let python = stage(&mut stages, "python package", || {
-        crate::python::build_wheel().and_then(|wheel| crate::python::check(&wheel))
+        crate::python::build_wheel(crate::python::WheelProfile::Rig)
+            .and_then(|wheel| crate::python::check(&wheel))
     });
     outcomes.push(match python {
         Ok(()) => Outcome {

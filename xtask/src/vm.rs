@@ -358,7 +358,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
     })?;
     let python = if suite.iter().any(|e| e.python) {
         Some(phases.run("python", || {
-            let wheel = python::build_wheel()?;
+            let wheel = python::build_wheel(python::WheelProfile::Rig)?;
             let modules = python::test_modules()?;
             let root = python::stage_guest(&wheel, &modules)?;
             Ok((root, modules))
