@@ -63,6 +63,9 @@ pub struct SuiteEntry {
     /// The program uses the field's storage (`+field`): the guest loads the kernel's NVMe
     /// target and host over TCP, and the machine has a third drive outside the GPU's switch.
     pub field: bool,
+    /// About how long it runs on a stock kernel, in seconds (`~N` on its suite line; 1 where
+    /// none is given): how `test-vm` shares the suite out between its machines.
+    pub typical_secs: u64,
 }
 
 impl SuiteEntry {
@@ -169,14 +172,19 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
             .unwrap_or("120")
             .parse()
             .with_context(|| format!("bad timeout in {}: {line:?}", path.display()))?;
-        let (mut fio, mut fs, mut field) = (false, false, false);
+        let (mut fio, mut fs, mut field, mut typical_secs) = (false, false, false, 1);
         for word in words {
             match word {
                 "+fio" => fio = true,
                 "+fs" => fs = true,
                 "+field" => field = true,
+                _ if word.starts_with('~') => {
+                    typical_secs = word[1..].parse().with_context(|| {
+                        format!("{}: {line:?}: bad typical seconds {word:?}", path.display())
+                    })?;
+                }
                 _ => bail!(
-                    "{}: {line:?}: unknown {word:?} (+fio, +fs and +field are known)",
+                    "{}: {line:?}: unknown {word:?} (+fio, +fs, +field and ~SECONDS are known)",
                     path.display()
                 ),
             }
@@ -191,6 +199,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 fio,
                 fs,
                 field,
+                typical_secs,
             }
         } else if let Some(stem) = name.strip_suffix(".py") {
             SuiteEntry {
@@ -202,6 +211,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 fio,
                 fs,
                 field,
+                typical_secs,
             }
         } else {
             SuiteEntry {
@@ -213,6 +223,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
                 fio,
                 fs,
                 field,
+                typical_secs,
             }
         };
         suite.push(entry);
@@ -235,6 +246,7 @@ pub fn exec_entry(path: &Path, timeout_secs: u64) -> anyhow::Result<SuiteEntry> 
         fio: false,
         fs: false,
         field: false,
+        typical_secs: 1,
         name: format!("exec:{name}"),
         path: path.to_path_buf(),
         timeout_secs,

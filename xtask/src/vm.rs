@@ -92,6 +92,14 @@ pub struct Options {
     /// Run no suite program, only the --exec ones.
     #[arg(long)]
     pub no_suite: bool,
+    /// Machines the suite is shared out between, booted at once (each TCG machine runs on one
+    /// host thread; each has its own console and verdicts, the second's named `<run>-m2`).
+    /// 0: one per host core, at most two.
+    #[arg(long, default_value_t = 0)]
+    pub machines: usize,
+    /// This run is part `.0` of the suite's split, with these programs (`--machines`).
+    #[arg(skip)]
+    pub part: Option<(usize, Vec<String>)>,
     /// Boot with the fgds.ko that `dkms build` makes from the fgds-dkms package (built as
     /// `cargo xtask package` does) instead of the rig's own build of driver/.
     #[arg(long)]
@@ -121,6 +129,8 @@ impl Options {
             nvme_mdts: None,
             filesystems: false,
             fio_job: None,
+            machines: 1,
+            part: None,
         }
     }
 }
@@ -147,9 +157,11 @@ pub enum TcgThreadsArg {
 }
 
 pub fn test_vm(opts: &Options) -> anyhow::Result<ExitCode> {
-    let run = run_kernel(opts)?;
-    let passed = report::print(run.outcomes);
-    report::print_skips(&[(run.config, run.expected_skips)]);
+    let runs = run_split(opts)?;
+    let config = runs[0].config.clone();
+    let expected_skips = runs.iter().map(|r| r.expected_skips).sum();
+    let passed = report::print(runs.into_iter().flat_map(|r| r.outcomes).collect());
+    report::print_skips(&[(config, expected_skips)]);
     Ok(if passed {
         ExitCode::SUCCESS
     } else {
@@ -198,6 +210,107 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
         prepare(opts)?
     };
     boot(&prepared, opts, true)
+}
+
+/// Runs the suite as `--machines` says: on one machine, or shared out between machines booted
+/// at once, each with the programs of its share in the suite's order and everything a run
+/// checks of its own (console, kmemleak, the driver's mode). The guest programs are built
+/// first, for all; the share with the Python programs is prepared last, so that the wheel is
+/// built while the first machine runs.
+pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
+    let machines = match opts.machines {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(2)),
+        n => n,
+    };
+    if machines < 2 || opts.no_suite || !opts.programs.is_empty() || !opts.exec.is_empty() {
+        return Ok(vec![run_kernel(opts)?]);
+    }
+    let mut suite = guest::default_suite(&guest::bin_dir())?;
+    if !opts.only.is_empty() {
+        suite.retain(|e| opts.only.iter().any(|o| e.name.contains(o.as_str())));
+    }
+    if suite.len() < 2 {
+        return Ok(vec![run_kernel(opts)?]);
+    }
+    let mut parts = share_out(&suite, machines);
+    // The share with the Python programs last: its wheel builds while the others run.
+    parts.sort_by_key(|part| {
+        part.iter()
+            .any(|name| suite.iter().any(|e| e.name == *name && e.python))
+    });
+    let rust = suite
+        .iter()
+        .filter(|e| e.is_rust())
+        .map(|e| e.name.as_str())
+        .collect::<Vec<_>>();
+    {
+        let _held = PREPARING
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        guest::build_binaries(&rust)?;
+    }
+    let results = std::thread::scope(|scope| {
+        // Each machine is prepared once the one before it was (or failed to be).
+        let mut after: Option<std::sync::mpsc::Receiver<()>> = None;
+        let handles = parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, names)| {
+                let part_opts = Options {
+                    part: Some((i + 1, names)),
+                    ..opts.clone()
+                };
+                let (prepared_tx, prepared_rx) = std::sync::mpsc::channel::<()>();
+                let wait = after.replace(prepared_rx);
+                scope.spawn(move || {
+                    set_log_prefix(&format!("[{}/{machines}] ", i + 1));
+                    if let Some(wait) = wait {
+                        let _ = wait.recv();
+                    }
+                    let prepared = {
+                        let _held = PREPARING.lock().unwrap_or_else(|p| p.into_inner());
+                        prepare(&part_opts)
+                    };
+                    drop(prepared_tx);
+                    boot(&prepared?, &part_opts, true)
+                })
+            })
+            .collect::<Vec<_>>();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::format_err!("a run's thread panicked")))
+            })
+            .collect::<Vec<_>>()
+    });
+    results.into_iter().collect()
+}
+
+/// The suite's programs shared out between `machines` by their typical seconds (the dearest
+/// first, each to the least loaded machine), each share in the suite's order.
+fn share_out(suite: &[guest::SuiteEntry], machines: usize) -> Vec<Vec<String>> {
+    let mut by_cost = suite.iter().collect::<Vec<_>>();
+    by_cost.sort_by_key(|e| std::cmp::Reverse(e.typical_secs));
+    let mut load = vec![0u64; machines];
+    let mut share = vec![0usize; suite.len()];
+    for entry in by_cost {
+        let lightest = (0..machines).min_by_key(|&m| load[m]).unwrap_or(0);
+        load[lightest] += entry.typical_secs;
+        let at = suite.iter().position(|e| e.name == entry.name).unwrap_or(0);
+        share[at] = lightest;
+    }
+    (0..machines)
+        .map(|m| {
+            suite
+                .iter()
+                .zip(&share)
+                .filter(|(_, s)| **s == m)
+                .map(|(e, _)| e.name.clone())
+                .collect::<Vec<_>>()
+        })
+        .filter(|part| !part.is_empty())
+        .collect()
 }
 
 /// Held while a run is prepared. Runs that boot side by side (`cargo xtask ci`) share what
@@ -270,6 +383,11 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
     if opts.gpus > 1 {
         label = format!("{label}-gpus{}", opts.gpus);
     }
+    if let Some((n, _)) = &opts.part
+        && *n > 1
+    {
+        label = format!("{label}-m{n}");
+    }
     let (run_dir, lock) = claim_run_dir(&crate::project_root().join("target/vm"), &label)?;
     say!(
         "test-vm: {} (artifacts in {})",
@@ -322,6 +440,9 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
     if !opts.only.is_empty() {
         suite.retain(|e| opts.only.iter().any(|o| e.name.contains(o.as_str())));
     }
+    if let Some((_, names)) = &opts.part {
+        suite.retain(|e| names.contains(&e.name));
+    }
     if opts.no_suite {
         suite.clear();
     }
@@ -339,6 +460,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
                 fio: suite.iter().any(|e| e.name == *name && e.fio),
                 fs: opts.filesystems || suite.iter().any(|e| e.name == *name && e.fs),
                 field: suite.iter().any(|e| e.name == *name && e.field),
+                typical_secs: 1,
             })
             .collect();
     }
