@@ -214,9 +214,9 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
 
 /// Runs the suite as `--machines` says: on one machine, or shared out between machines booted
 /// at once, each with the programs of its share in the suite's order and everything a run
-/// checks of its own (console, kmemleak, the driver's mode). Each machine is prepared (its
-/// programs built) once the one before it was, while that one boots; the share with the Python
-/// programs last, so that the wheel is built while the first machine runs.
+/// checks of its own (console, kmemleak, the driver's mode). The guest programs are built
+/// first, for all; the share with the Python programs is prepared last, so that the wheel is
+/// built while the first machine runs.
 pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
     let machines = match opts.machines {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(2)),
@@ -238,6 +238,17 @@ pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
         part.iter()
             .any(|name| suite.iter().any(|e| e.name == *name && e.python))
     });
+    let rust = suite
+        .iter()
+        .filter(|e| e.is_rust())
+        .map(|e| e.name.as_str())
+        .collect::<Vec<_>>();
+    {
+        let _held = PREPARING
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        guest::build_binaries(&rust)?;
+    }
     let results = std::thread::scope(|scope| {
         // Each machine is prepared once the one before it was (or failed to be).
         let mut after: Option<std::sync::mpsc::Receiver<()>> = None;
