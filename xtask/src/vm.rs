@@ -940,3 +940,49 @@ fn run_machine(
         panicked: vm.guest_panicked(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, typical_secs: u64, python: bool) -> guest::SuiteEntry {
+        guest::SuiteEntry {
+            name: name.to_owned(),
+            path: PathBuf::from(name),
+            timeout_secs: 60,
+            c_source: None,
+            python,
+            fio: false,
+            fs: false,
+            field: false,
+            typical_secs,
+        }
+    }
+
+    #[test]
+    fn share_out_balances_and_keeps_the_suites_order() {
+        let suite = [
+            entry("a", 3, false),
+            entry("revoke", 26, false),
+            entry("io", 7, false),
+            entry("py", 3, true),
+            entry("fio", 9, false),
+            entry("last", 1, false),
+        ];
+        let parts = share_out(&suite, 2);
+        assert_eq!(parts.len(), 2);
+        // Every program once, each share in the suite's order.
+        let mut all = parts.concat();
+        all.sort();
+        assert_eq!(all, ["a", "fio", "io", "last", "py", "revoke"]);
+        for part in &parts {
+            let at = |n: &String| suite.iter().position(|e| e.name == *n);
+            assert!(part.windows(2).all(|w| at(&w[0]) < at(&w[1])), "{part:?}");
+        }
+        // The Python program on the last machine, which carries the wheel's build (20 s): the
+        // first takes the dearest program and more besides (without the wheel counted, it
+        // would have `revoke` alone).
+        assert_eq!(parts[0], ["revoke", "io", "last"]);
+        assert_eq!(parts[1], ["a", "py", "fio"]);
+    }
+}
