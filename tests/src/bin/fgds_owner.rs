@@ -14,8 +14,8 @@ use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -295,9 +295,13 @@ impl Drop for Restore {
 
 /// A thread that allocates, exports, writes and frees vgpu buffers until stopped (at the
 /// latest when dropped); an error before `unbinding` is set fails it, one after it ends it.
+/// Its CPU writes go through the buffer's mapping under `writing`, and none starts once
+/// `unbinding` is set: a write under way when the unbind revoked the mapping would be a SIGBUS,
+/// not an error (seen with the tests built unoptimised, where the write takes long enough).
 struct Allocator {
     stop: Arc<AtomicBool>,
     unbinding: Arc<AtomicBool>,
+    writing: Arc<Mutex<()>>,
     thread: Option<JoinHandle<anyhow::Result<u64>>>,
 }
 
@@ -305,12 +309,22 @@ impl Allocator {
     fn start() -> Allocator {
         let stop = Arc::new(AtomicBool::new(false));
         let unbinding = Arc::new(AtomicBool::new(false));
-        let thread = Some(allocate(stop.clone(), unbinding.clone()));
+        let writing = Arc::new(Mutex::new(()));
+        let thread = Some(allocate(stop.clone(), unbinding.clone(), writing.clone()));
         Allocator {
             stop,
             unbinding,
+            writing,
             thread,
         }
+    }
+
+    /// Runs `unbind` while the thread goes on allocating, with no write through a mapping
+    /// under way and none to start after it.
+    fn unbind_meanwhile(&self, unbind: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<()> {
+        self.unbinding.store(true, Ordering::SeqCst);
+        let _no_writes = self.writing.lock().unwrap_or_else(|p| p.into_inner());
+        unbind()
     }
 
     /// Stops it; how many buffers it allocated.
@@ -332,13 +346,22 @@ impl Drop for Allocator {
     }
 }
 
-fn allocate(stop: Arc<AtomicBool>, unbinding: Arc<AtomicBool>) -> JoinHandle<anyhow::Result<u64>> {
+fn allocate(
+    stop: Arc<AtomicBool>,
+    unbinding: Arc<AtomicBool>,
+    writing: Arc<Mutex<()>>,
+) -> JoinHandle<anyhow::Result<u64>> {
     std::thread::spawn(move || {
         let vgpu = common::vgpu()?;
         let mut done = 0u64;
         while !stop.load(Ordering::Relaxed) {
             let step = || -> anyhow::Result<()> {
                 let (dmabuf, _) = common::alloc(&vgpu, 2 * MIB)?;
+                let _writing = writing.lock().unwrap_or_else(|p| p.into_inner());
+                ensure!(
+                    !unbinding.load(Ordering::SeqCst),
+                    "the GPU is being unbound: no write through the mapping"
+                );
                 common::gpu_write(dmabuf.as_fd(), (2 * MIB) as usize, 0, &[done as u8; 4096])?;
                 Ok(())
             };
@@ -416,8 +439,9 @@ fn owner_keeps_its_state(
     let idx = common::reg(&node, dmabuf.as_fd(), 0, 2 * MIB).context("REG_BUFFER")?;
     drop(vgpu);
     let bdf = common::vgpu_bdf()?;
-    alloc.unbinding.store(true, Ordering::SeqCst);
-    std::fs::write("/sys/bus/pci/drivers/vgpu/unbind", &bdf).context("unbind the GPU")?;
+    alloc.unbind_meanwhile(|| {
+        std::fs::write("/sys/bus/pci/drivers/vgpu/unbind", &bdf).context("unbind the GPU")
+    })?;
     let nvme = common::nvme(false)?;
     let got = common::ioctl_io(&node, false, &read_arg(idx, 2 * MIB, &nvme, 0));
     ensure!(
