@@ -277,6 +277,11 @@ int fgds_io_prepare(struct fgds_io_req *req, struct fgds_file *f,
 	}
 	if (write)
 		req->kiocb.ki_flags |= IOCB_WRITE;
+	/*
+	 * The block layer's per-CPU bio cache, as io_uring's own reads have it
+	 * (6.x: opt-in per kiocb; 7.x caches every bio and ignores the flag).
+	 */
+	req->kiocb.ki_flags |= IOCB_ALLOC_CACHE;
 	if (nowait)
 		req->kiocb.ki_flags |= IOCB_NOWAIT;
 	req->buf = buf;
