@@ -107,6 +107,11 @@ pub struct Options {
 }
 
 impl Options {
+    /// Whether `--only` selects the suite's program `name` (any given part of its name).
+    fn selects(&self, name: &str) -> bool {
+        self.only.iter().any(|o| name.contains(o.as_str()))
+    }
+
     /// The defaults of `cargo xtask test-vm --kernel <kernel>`: the whole suite, TCG, plain vgpu.
     pub fn for_kernel(kernel: &str) -> Options {
         Options {
@@ -227,7 +232,7 @@ pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
     }
     let mut suite = guest::default_suite(&guest::bin_dir())?;
     if !opts.only.is_empty() {
-        suite.retain(|e| opts.only.iter().any(|o| e.name.contains(o.as_str())));
+        suite.retain(|e| opts.selects(&e.name));
     }
     if suite.len() < 2 {
         return Ok(vec![run_kernel(opts)?]);
@@ -448,7 +453,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
         );
     }
     if !opts.only.is_empty() {
-        suite.retain(|e| opts.only.iter().any(|o| e.name.contains(o.as_str())));
+        suite.retain(|e| opts.selects(&e.name));
     }
     if let Some((_, names)) = &opts.part {
         suite.retain(|e| names.contains(&e.name));
