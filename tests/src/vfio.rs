@@ -1,8 +1,6 @@
 //! vfio-pci from a test: the GPU's IOMMU group in a type1 container, its device, and BAR2
 //! ranges exported as dma-bufs (`VFIO_DEVICE_FEATURE_DMA_BUF`), for the programs that run with
-//! `--iommu --exporter vfio` (`fgds_vfio`, `uring_dmabuf`). Include with `#[path]`; each program
-//! uses part of it.
-#![allow(dead_code)]
+//! `--iommu --exporter vfio` (`fgds_vfio`, `uring_dmabuf`).
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
@@ -302,7 +300,7 @@ impl Device {
             unsafe {
                 words
                     .add(i)
-                    .write_volatile(fgds_tests::pattern::word(seed, 8 * i as u64))
+                    .write_volatile(crate::pattern::word(seed, 8 * i as u64))
             };
         }
         // SAFETY: exactly the mapping made above.

@@ -4,8 +4,7 @@
 //! guest's free memory. A measurement, not in the default suite: `cargo xtask test-vm --exec`
 //! it with `--gpu-bytes` (docs/driver.md, Page providers, has the numbers).
 
-#[path = "../fgds_common.rs"]
-mod common;
+use fgds_tests::common;
 
 use std::os::fd::AsFd;
 use std::time::Instant;

@@ -1,10 +1,8 @@
 //! fgds bad input: every invalid REG_BUFFER, UNREG_BUFFER and mmap argument gets the errno the
 //! UAPI header documents; dma-bufs that are not GPU memory are refused.
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
+use fgds_tests::common;
+use fgds_tests::fault;
 
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 

@@ -2,8 +2,7 @@
 //! pread/pwrite, preadv/pwritev and io_uring, checked in the guest through vgpu's own CPU
 //! mapping of the dma-buf.
 
-#[path = "../fgds_common.rs"]
-mod common;
+use fgds_tests::common;
 
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::FileExt;

@@ -21,10 +21,8 @@
 //! Each case has its own 2 MiB of vgpu memory above 192 MiB of BAR2, allocated once and held
 //! until the program exits.
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
+use fgds_tests::common;
+use fgds_tests::fault;
 
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};

@@ -14,10 +14,8 @@
 //!
 //! (b) After `gpu_add` (same slot, same memory) a new node appears and data moves both ways.
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
+use fgds_tests::common;
+use fgds_tests::fault;
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;

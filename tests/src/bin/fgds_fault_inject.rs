@@ -13,10 +13,8 @@
 //!
 //! Needs a kernel with fault-injection debugfs (`build:X.Y+debug`); elsewhere every case skips.
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
+use fgds_tests::common;
+use fgds_tests::fault;
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsFd, BorrowedFd};

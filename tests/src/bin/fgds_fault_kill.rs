@@ -5,10 +5,8 @@
 //! its dma-buf back (vgpu lists no live buffer), nothing holds the module (`refcnt` 0), and the
 //! node works. The host fails the case on any kernel splat.
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
+use fgds_tests::common;
+use fgds_tests::fault;
 
 use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::Ordering;

@@ -7,10 +7,8 @@
 //! then still works with the first drive (FGDS_NVME), fgds's counters are unchanged, and after
 //! the drive is plugged back it works with fgds again and still holds what was written to it.
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
+use fgds_tests::common;
+use fgds_tests::fault;
 
 use std::fs::File;
 use std::os::fd::AsFd;

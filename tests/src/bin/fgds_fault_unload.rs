@@ -3,10 +3,8 @@
 //! another process); once they are gone the unload is clean (no node, no class, every dma-buf
 //! given back to the exporter, no splat) and fgds loads again and works.
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
+use fgds_tests::common;
+use fgds_tests::fault;
 
 use std::os::fd::AsFd;
 use std::time::Duration;

@@ -27,10 +27,8 @@
 //! 20). A seed fixes every thread's sequence of operations; the interleaving is the machine's.
 //! The summary is one `fgds-fuzz: {json}` line.
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
+use fgds_tests::common;
+use fgds_tests::fault;
 
 use std::collections::HashSet;
 use std::fs::File;

@@ -7,10 +7,8 @@
 //! goes, one ring's batch of adjacent reads and writes alternating RAM and GPU memory, from two
 //! processes at once, puts every byte where it belongs.
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
+use fgds_tests::common;
+use fgds_tests::fault;
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;

@@ -9,10 +9,8 @@
 //! fgds refuses the GPU with one log line naming that drive. On a machine with one GPU every
 //! case skips, saying so.
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
+use fgds_tests::common;
+use fgds_tests::fault;
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};

@@ -2,8 +2,7 @@
 //! data read from the NVMe really landed in device memory, and a revoked range received no
 //! write after the revocation.
 
-#[path = "../fgds_common.rs"]
-mod common;
+use fgds_tests::common;
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;

@@ -4,10 +4,8 @@
 //! Each case plugs the GPU back whatever happened, so that a failure here does not leave the
 //! programs after it without a GPU.
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
+use fgds_tests::common;
+use fgds_tests::fault;
 
 use std::os::fd::AsFd;
 use std::path::Path;

@@ -7,10 +7,8 @@
 //! the errno the header documents; the crate's `Transfer` uses the commands where there is no
 //! io_uring slot.
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
+use fgds_tests::common;
+use fgds_tests::fault;
 
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd};

@@ -3,8 +3,7 @@
 //! SIGKILL during I/O, revocation by the exporter (SIGBUS on access, EFAULT on I/O, ENODEV on
 //! mmap), exporter unbind and rebind, module unload while in use.
 
-#[path = "../fgds_common.rs"]
-mod common;
+use fgds_tests::common;
 
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};

@@ -5,10 +5,8 @@
 //! serves registrations, is unloaded and loaded again, and while the GPU is unbound and bound
 //! again. The host fails the run on any splat (KASAN and kmemleak on the debug kernels).
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
+use fgds_tests::common;
+use fgds_tests::fault;
 
 use std::ffi::CString;
 use std::fs::File;

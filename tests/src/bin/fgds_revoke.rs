@@ -8,10 +8,8 @@
 //! Reads are held in flight with a QEMU blkdebug breakpoint on the raw drive (the first read
 //! to reach the drive waits until the case resumes it).
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
+use fgds_tests::common;
+use fgds_tests::fault;
 
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};

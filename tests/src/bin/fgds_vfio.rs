@@ -13,10 +13,8 @@
 //! --exporter vfio`); in runs whose GPU is vgpu's the program skips as a whole
 //! (xtask/src/expected.rs says where).
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../vfio.rs"]
-mod vfio;
+use fgds_tests::common;
+use fgds_tests::vfio;
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsFd, AsRawFd};

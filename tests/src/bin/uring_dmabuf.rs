@@ -7,12 +7,9 @@
 //!
 //! What fails here in the series is written up in docs/upstream.md.
 
-#[path = "../fgds_common.rs"]
-mod common;
-#[path = "../fgds_fault_common.rs"]
-mod fault;
-#[path = "../vfio.rs"]
-mod vfio;
+use fgds_tests::common;
+use fgds_tests::fault;
+use fgds_tests::vfio;
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;

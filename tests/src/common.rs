@@ -1,8 +1,5 @@
 //! Raw access to the fgds driver for the driver's in-guest tests (`fgds_*` binaries): every
 //! system call is made by hand so that each errno the UAPI documents can be checked.
-//! Included by the binaries with `#[path]`, not part of the library.
-
-#![allow(dead_code)]
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -17,7 +14,7 @@ pub const MIB: u64 = 1 << 20;
 
 /// The rig's vgpu instance: `vgpuN` (normally vgpu0; a rebind can make it another number).
 pub fn vgpu_name() -> anyhow::Result<String> {
-    fgds_tests::guest::vgpu_name()
+    crate::guest::vgpu_name()
 }
 
 /// The PCI address of the rig's GPU.
@@ -74,7 +71,7 @@ pub fn open_node() -> anyhow::Result<File> {
 }
 
 pub fn vgpu() -> anyhow::Result<File> {
-    fgds_tests::guest::vgpu_open()
+    crate::guest::vgpu_open()
 }
 
 /// A vgpu buffer: its dma-buf and its offset in BAR2.
@@ -215,18 +212,22 @@ impl Drop for Map {
 
 /// The NVMe namespace, O_DIRECT.
 pub fn nvme(write: bool) -> anyhow::Result<File> {
-    fgds_tests::guest::open_direct(&fgds_tests::guest::nvme_path()?, write)
+    crate::guest::open_direct(&crate::guest::nvme_path()?, write)
 }
 
 /// pread(2) into a raw address until done or error; returns bytes done or the errno.
+// Tests pass addresses here on purpose that may be unmapped, revoked or GPU memory: the
+// kernel checks them (EFAULT) or a throwaway child takes the signal, so the raw pointer is
+// the point, not a contract the caller must keep.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn pread_raw(file: &File, ptr: *mut u8, len: usize, off: u64) -> Result<usize, Errno> {
     let mut done = 0;
     while done < len {
-        // SAFETY: the caller passes a mapping of at least len bytes.
+        // SAFETY: the kernel checks the range and fails with EFAULT where it is not mapped.
         let n = unsafe {
             libc::pread(
                 file.as_raw_fd(),
-                ptr.add(done).cast(),
+                ptr.wrapping_add(done).cast(),
                 len - done,
                 (off + done as u64) as libc::off_t,
             )
@@ -244,14 +245,19 @@ pub fn pread_raw(file: &File, ptr: *mut u8, len: usize, off: u64) -> Result<usiz
     Ok(done)
 }
 
+/// pwrite(2) from a raw address until done or error; returns bytes done or the errno.
+// Tests pass addresses here on purpose that may be unmapped, revoked or GPU memory: the
+// kernel checks them (EFAULT) or a throwaway child takes the signal, so the raw pointer is
+// the point, not a contract the caller must keep.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn pwrite_raw(file: &File, ptr: *const u8, len: usize, off: u64) -> Result<usize, Errno> {
     let mut done = 0;
     while done < len {
-        // SAFETY: the caller passes a mapping of at least len bytes.
+        // SAFETY: the kernel checks the range and fails with EFAULT where it is not mapped.
         let n = unsafe {
             libc::pwrite(
                 file.as_raw_fd(),
-                ptr.add(done).cast(),
+                ptr.wrapping_add(done).cast(),
                 len - done,
                 (off + done as u64) as libc::off_t,
             )
@@ -300,7 +306,7 @@ pub fn gpu_fill(dmabuf: BorrowedFd<'_>, size: usize, byte: u8) -> anyhow::Result
 
 /// Fails unless `buf` is the NVMe pattern at `nvme_off`.
 pub fn check_nvme_pattern(nvme_off: u64, buf: &[u8]) -> anyhow::Result<()> {
-    use fgds_tests::pattern;
+    use crate::pattern;
     if let Some(at) = pattern::first_mismatch(pattern::NVME_SEED, nvme_off, buf) {
         bail!(
             "data differs from the NVMe pattern at byte {} of the buffer",
@@ -346,6 +352,10 @@ pub fn wait(pid: libc::pid_t) -> anyhow::Result<i32> {
 
 /// Reads one byte of a mapping in a child; returns its wait status (128 + SIGBUS on SIGBUS).
 /// Unlike [`touch_in_child`], it changes nothing where the mapping still works.
+// Tests pass addresses here on purpose that may be unmapped, revoked or GPU memory: the
+// kernel checks them (EFAULT) or a throwaway child takes the signal, so the raw pointer is
+// the point, not a contract the caller must keep.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn load_in_child(ptr: *const u8) -> anyhow::Result<i32> {
     in_child(|| {
         // SAFETY: a deliberate access to a possibly revoked mapping, in a throwaway child.
@@ -355,6 +365,10 @@ pub fn load_in_child(ptr: *const u8) -> anyhow::Result<i32> {
 }
 
 /// Touches one byte of a mapping in a child; returns its wait status (128 + SIGBUS on SIGBUS).
+// Tests pass addresses here on purpose that may be unmapped, revoked or GPU memory: the
+// kernel checks them (EFAULT) or a throwaway child takes the signal, so the raw pointer is
+// the point, not a contract the caller must keep.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn touch_in_child(ptr: *mut u8) -> anyhow::Result<i32> {
     in_child(|| {
         // SAFETY: a deliberate access to a possibly revoked mapping, in a throwaway child.
@@ -372,15 +386,15 @@ pub fn gpu_dma_translated() -> anyhow::Result<bool> {
 }
 
 /// None if fgds accepts this setup, else why it refuses it (`EOPNOTSUPP: ...`), from one probe
-/// registration (see [`fgds_tests::guest::fgds_refusal`]).
+/// registration (see [`crate::guest::fgds_refusal`]).
 pub fn refusal() -> anyhow::Result<Option<String>> {
-    fgds_tests::guest::fgds_refusal()
+    crate::guest::fgds_refusal()
 }
 
 static REFUSAL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
-fn skip_refused() -> fgds_tests::ktap::CaseResult {
-    fgds_tests::ktap::skip(
+fn skip_refused() -> crate::ktap::CaseResult {
+    crate::ktap::skip(
         REFUSAL
             .get()
             .map_or("EOPNOTSUPP: fgds refuses this setup", String::as_str),
@@ -388,7 +402,7 @@ fn skip_refused() -> fgds_tests::ktap::CaseResult {
 }
 
 /// Runs `cases`, or skips every one of them when fgds refuses this setup.
-pub fn run_unless_refused(cases: &[fgds_tests::ktap::Case]) -> ! {
+pub fn run_unless_refused(cases: &[crate::ktap::Case]) -> ! {
     run_refusing(cases, &[])
 }
 
@@ -397,18 +411,18 @@ pub fn run_unless_refused(cases: &[fgds_tests::ktap::Case]) -> ! {
 /// successful registration) are skipped with a reason that starts with `EOPNOTSUPP:`. Whether
 /// that skip is expected is the host's expected-outcome table's to say (xtask/src/expected.rs).
 /// A probe that fails otherwise is printed and every case runs (and fails on its own).
-pub fn run_refusing(cases: &[fgds_tests::ktap::Case], without_reg: &[&str]) -> ! {
+pub fn run_refusing(cases: &[crate::ktap::Case], without_reg: &[&str]) -> ! {
     // Every program that comes here allocates from vgpu.
-    fgds_tests::guest::skip_unless_vgpu();
+    crate::guest::skip_unless_vgpu();
     let refused = refusal().unwrap_or_else(|err| {
-        fgds_tests::ktap::diag(format_args!("{err:#}"));
+        crate::ktap::diag(format_args!("{err:#}"));
         None
     });
     if let Some(reason) = refused {
         let _ = REFUSAL.set(reason);
         let cases = cases
             .iter()
-            .map(|c| fgds_tests::ktap::Case {
+            .map(|c| crate::ktap::Case {
                 name: c.name,
                 run: if without_reg.contains(&c.name) {
                     c.run
@@ -417,9 +431,9 @@ pub fn run_refusing(cases: &[fgds_tests::ktap::Case], without_reg: &[&str]) -> !
                 },
             })
             .collect::<Vec<_>>();
-        fgds_tests::ktap::run(&cases)
+        crate::ktap::run(&cases)
     }
-    fgds_tests::ktap::run(cases)
+    crate::ktap::run(cases)
 }
 
 /// The guest kernel's release (`uname -r`).
@@ -432,7 +446,7 @@ pub fn kernel_release() -> anyhow::Result<String> {
 
 /// A qemu-io command on the raw drive's block node (blkdebug breakpoints), through the host.
 pub fn qemu_io(cmd: &str) -> anyhow::Result<()> {
-    let out = fgds_tests::ctl::request(&format!("hmp qemu-io nvme0-disk \"{cmd}\""))?;
+    let out = crate::ctl::request(&format!("hmp qemu-io nvme0-disk \"{cmd}\""))?;
     anyhow::ensure!(out.trim().is_empty(), "qemu-io {cmd:?}: {out}");
     Ok(())
 }

@@ -1,9 +1,6 @@
 //! Helpers for the fault-injection programs (`fgds_fault_*`, issue 7): waiting for the driver
 //! to settle, its counters, unloading and loading fgds, children that hold resources, and the
-//! host's fault log. Included by those binaries with `#[path]` next to `fgds_common.rs`, which
-//! they include as `common`.
-
-#![allow(dead_code)]
+//! host's fault log.
 
 use std::ffi::CString;
 use std::fs::File;
@@ -13,10 +10,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use fgds_tests::{ctl, guest, ktap};
 use rustix::io::Errno;
 
-use crate::common;
+use crate::{common, ctl, guest, ktap};
 
 /// Polls `cond` every 20 ms until it holds; fails with `what` after `timeout`. Returns how long
 /// it took.
@@ -457,8 +453,8 @@ pub fn write_nvme_pattern(seed: u64, len: usize, nvme_off: u64) -> anyhow::Resul
     use std::os::unix::fs::FileExt;
 
     let nvme = common::nvme(true)?;
-    let mut ram = fgds_tests::guest::AlignedBuf::new(len)?;
-    fgds_tests::pattern::fill(seed, 0, ram.as_mut_slice());
+    let mut ram = crate::guest::AlignedBuf::new(len)?;
+    crate::pattern::fill(seed, 0, ram.as_mut_slice());
     nvme.write_all_at(ram.as_slice(), nvme_off)?;
     Ok(())
 }
@@ -512,9 +508,9 @@ pub fn drive_by_serial(serial: &str) -> Option<std::path::PathBuf> {
 /// Puts `seed`'s pattern at the start of the drive `path` (O_DIRECT).
 pub fn write_nvme2_pattern(path: &std::path::Path, seed: u64, len: usize) -> anyhow::Result<()> {
     use std::os::unix::fs::FileExt;
-    let file = fgds_tests::guest::open_direct(path, true)?;
-    let mut ram = fgds_tests::guest::AlignedBuf::new(len)?;
-    fgds_tests::pattern::fill(seed, 0, ram.as_mut_slice());
+    let file = crate::guest::open_direct(path, true)?;
+    let mut ram = crate::guest::AlignedBuf::new(len)?;
+    crate::pattern::fill(seed, 0, ram.as_mut_slice());
     file.write_all_at(ram.as_slice(), 0)?;
     Ok(())
 }
