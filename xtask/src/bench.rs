@@ -11,7 +11,7 @@ use anyhow::{Context, bail};
 use plotters::prelude::*;
 use serde_json::Value;
 
-use crate::{host, vm};
+use crate::{guest, host, vm};
 
 /// The guest program, and how long it may run.
 const PROGRAM: &str = "bench_suite";
@@ -321,6 +321,7 @@ fn boot(opts: &Options, vgpu_mode: &str, set: &str) -> anyhow::Result<vm::Kernel
         iommu: opts.iommu,
         filesystems: opts.files,
         drives: opts.drives,
+        build: guest::Build::Release,
         ..vm::Options::for_kernel(&opts.kernel)
     })
 }

@@ -75,13 +75,39 @@ impl SuiteEntry {
     }
 }
 
-/// Builds the init, the `fgds` CLI and the named test programs of `tests/`, static, in
-/// release mode, into [`bin_dir`].
-pub fn build_binaries(test_bins: &[&str]) -> anyhow::Result<()> {
+/// How the guest's Rust programs are built.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Build {
+    /// The `guest` profile (opt-level 1): the rig's test runs, quicker to build.
+    #[default]
+    Tests,
+    /// `release`, as users get the CLI: for what measures (`cargo xtask bench`).
+    Release,
+}
+
+impl Build {
+    fn profile(self) -> &'static str {
+        match self {
+            Build::Tests => "guest",
+            Build::Release => "release",
+        }
+    }
+}
+
+/// Builds the init, the `fgds` CLI and the named test programs of `tests/`, static, into
+/// [`bin_dir`].
+pub fn build_binaries(build: Build, test_bins: &[&str]) -> anyhow::Result<()> {
     let root = crate::project_root();
-    let mut args = ["build", "--quiet", "--release", "--target", GUEST_TARGET]
-        .map(str::to_owned)
-        .to_vec();
+    let mut args = [
+        "build",
+        "--quiet",
+        "--profile",
+        build.profile(),
+        "--target",
+        GUEST_TARGET,
+    ]
+    .map(str::to_owned)
+    .to_vec();
     // With --bin, cargo builds only the named binaries of the selected packages.
     let own = [
         "-p",
@@ -146,11 +172,11 @@ fn c_bin_dir() -> PathBuf {
 }
 
 /// Where [`build_binaries`] puts the guest binaries.
-pub fn bin_dir() -> PathBuf {
+pub fn bin_dir(build: Build) -> PathBuf {
     crate::project_root()
         .join("target")
         .join(GUEST_TARGET)
-        .join("release")
+        .join(build.profile())
 }
 
 /// The default suite, from tests/suite.txt (`name timeout-seconds [+fio] [+fs] [+field]` per

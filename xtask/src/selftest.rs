@@ -33,8 +33,8 @@ pub fn rig_selftest(opts: &Options) -> anyhow::Result<ExitCode> {
 /// Runs the two self-test boots on `kernel` and returns one verdict per expectation.
 pub fn run(kernel: &str) -> anyhow::Result<Vec<Outcome>> {
     let dir = crate::project_root().join("target/rig-selftest");
-    guest::build_binaries(&["rig_selftest"])?;
-    let bin = guest::bin_dir().join("rig_selftest");
+    guest::build_binaries(guest::Build::Tests, &["rig_selftest"])?;
+    let bin = guest::bin_dir(guest::Build::Tests).join("rig_selftest");
     let programs = ["pass", "fail", "skip", "panic"]
         .iter()
         .map(|mode| copy_as(&bin, &dir, mode))

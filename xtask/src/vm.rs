@@ -104,6 +104,9 @@ pub struct Options {
     /// `cargo xtask package` does) instead of the rig's own build of driver/.
     #[arg(long)]
     pub dkms: bool,
+    /// How the guest's Rust programs are built: for tests, or `release` for measurements.
+    #[arg(skip)]
+    pub build: guest::Build,
 }
 
 impl Options {
@@ -136,6 +139,7 @@ impl Options {
             fio_job: None,
             machines: 1,
             part: None,
+            build: guest::Build::Tests,
         }
     }
 }
@@ -230,7 +234,7 @@ pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
     if machines < 2 || opts.no_suite || !opts.programs.is_empty() || !opts.exec.is_empty() {
         return Ok(vec![run_kernel(opts)?]);
     }
-    let mut suite = guest::default_suite(&guest::bin_dir())?;
+    let mut suite = guest::default_suite(&guest::bin_dir(opts.build))?;
     if !opts.only.is_empty() {
         suite.retain(|e| opts.selects(&e.name));
     }
@@ -252,7 +256,7 @@ pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
         let _held = PREPARING
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        guest::build_binaries(&rust)?;
+        guest::build_binaries(opts.build, &rust)?;
     }
     let results = std::thread::scope(|scope| {
         // Each machine is prepared once the one before it was (or failed to be).
@@ -433,7 +437,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
     let vfio = run_config.exporter == expected::Exporter::Vfio;
     let expected_mode = expected::mode(&run_config)?;
 
-    let bin_dir = guest::bin_dir();
+    let bin_dir = guest::bin_dir(opts.build);
     let mut suite = guest::default_suite(&bin_dir)?;
     // The programs the expected-outcome table speaks for.
     let covered = ["setup", "kmemleak", "vm"]
@@ -489,7 +493,7 @@ pub fn prepare(opts: &Options) -> anyhow::Result<Prepared> {
             .filter(|e| e.is_rust())
             .map(|e| e.name.as_str())
             .collect::<Vec<_>>();
-        guest::build_binaries(&rust)?;
+        guest::build_binaries(opts.build, &rust)?;
         guest::build_c_programs(&suite)?;
         Ok(build)
     })?;
