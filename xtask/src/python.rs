@@ -112,8 +112,27 @@ fn run(cmd: &mut Command) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Builds the wheel with `profile` into `target/wheels/` and returns its path.
+/// The wheels this process built, by profile: the sources do not change under a run, so one
+/// build serves every machine of it (and a second caller waits for the first's build).
+static BUILT: std::sync::Mutex<Vec<(&str, PathBuf)>> = std::sync::Mutex::new(Vec::new());
+
+/// Builds the wheel with `profile` into `target/wheels/` (once per process) and returns its
+/// path.
 pub fn build_wheel(profile: WheelProfile) -> anyhow::Result<PathBuf> {
+    let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, wheel)) = built
+        .iter()
+        .find(|(name, wheel)| *name == profile.name() && wheel.exists())
+    {
+        return Ok(wheel.clone());
+    }
+    let wheel = build_wheel_now(profile)?;
+    built.retain(|(name, _)| *name != profile.name());
+    built.push((profile.name(), wheel.clone()));
+    Ok(wheel)
+}
+
+fn build_wheel_now(profile: WheelProfile) -> anyhow::Result<PathBuf> {
     let venv = tools_venv(&[MATURIN])?;
     let root = crate::project_root();
     let out = root.join("target/wheels");

@@ -256,7 +256,7 @@ pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
         let _held = PREPARING
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        guest::build_binaries(opts.build, &rust)?;
+        build_beside_guest_programs(opts, &suite, &rust)?;
     }
     let results = std::thread::scope(|scope| {
         // Each machine is prepared once the one before it was (or failed to be).
@@ -294,6 +294,43 @@ pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
             .collect::<Vec<_>>()
     });
     results.into_iter().collect()
+}
+
+/// Builds the guest's programs and, beside them, the driver and the wheel the machines will
+/// need (each then found built): cargo's build of the programs leaves a core idle for much of
+/// its tail, and the machines' preparations used to follow it one after the other.
+fn build_beside_guest_programs(
+    opts: &Options,
+    suite: &[guest::SuiteEntry],
+    rust: &[&str],
+) -> anyhow::Result<()> {
+    let spec: kernel::KernelSpec = opts.kernel.parse()?;
+    host::ensure_packages(host::VM_PACKAGES)?;
+    let kernel = kernel::prepare(&spec, &host::cache_dir()?)?;
+    std::thread::scope(|scope| {
+        let driver = (!opts.dkms).then(|| {
+            scope.spawn(|| {
+                let dir = crate::project_root()
+                    .join("target/driver-builds")
+                    .join(format!("beside-{}", std::process::id()));
+                std::fs::create_dir_all(&dir)?;
+                let built = driver::build(&kernel, &dir).map(drop);
+                let _ = std::fs::remove_dir_all(&dir);
+                built
+            })
+        });
+        let wheel = suite
+            .iter()
+            .any(|e| e.python)
+            .then(|| scope.spawn(|| python::build_wheel(python::WheelProfile::Rig).map(drop)));
+        let programs = guest::build_binaries(opts.build, rust);
+        for handle in [driver, wheel].into_iter().flatten() {
+            handle
+                .join()
+                .unwrap_or_else(|_| Err(anyhow::format_err!("a build's thread panicked")))?;
+        }
+        programs
+    })
 }
 
 /// About what building the wheel costs on two cores (`rig` profile, from nothing: 17-23 s).
