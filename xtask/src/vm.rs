@@ -223,8 +223,8 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
 
 /// Runs the suite as `--machines` says: on one machine, or shared out between machines booted
 /// at once, each with the programs of its share in the suite's order and everything a run
-/// checks of its own (console, kmemleak, the driver's mode). The guest programs and the
-/// driver are built first, for all; the share with the Python programs is prepared last, so that the wheel is
+/// checks of its own (console, kmemleak, the driver's mode). The guest programs are built
+/// first, for all; the share with the Python programs is prepared last, so that the wheel is
 /// built while the first machine runs.
 pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
     let machines = match opts.machines {
@@ -256,7 +256,7 @@ pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
         let _held = PREPARING
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        build_beside_guest_programs(opts, &rust)?;
+        guest::build_binaries(opts.build, &rust)?;
     }
     let results = std::thread::scope(|scope| {
         // Each machine is prepared once the one before it was (or failed to be).
@@ -294,35 +294,6 @@ pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
             .collect::<Vec<_>>()
     });
     results.into_iter().collect()
-}
-
-/// Builds the guest's programs and, beside them, the driver (the machines then find it built):
-/// cargo's build of the programs leaves a core idle for much of its tail. The wheel is not
-/// built here: it builds beside the first machine, which takes one core.
-fn build_beside_guest_programs(opts: &Options, rust: &[&str]) -> anyhow::Result<()> {
-    let spec: kernel::KernelSpec = opts.kernel.parse()?;
-    host::ensure_packages(host::VM_PACKAGES)?;
-    let kernel = kernel::prepare(&spec, &host::cache_dir()?)?;
-    std::thread::scope(|scope| {
-        let driver = (!opts.dkms).then(|| {
-            scope.spawn(|| {
-                let dir = crate::project_root()
-                    .join("target/driver-builds")
-                    .join(format!("beside-{}", std::process::id()));
-                std::fs::create_dir_all(&dir)?;
-                let built = driver::build(&kernel, &dir).map(drop);
-                let _ = std::fs::remove_dir_all(&dir);
-                built
-            })
-        });
-        let programs = guest::build_binaries(opts.build, rust);
-        for handle in driver {
-            handle
-                .join()
-                .unwrap_or_else(|_| Err(anyhow::format_err!("a build's thread panicked")))?;
-        }
-        programs
-    })
 }
 
 /// About what building the wheel costs on two cores (`rig` profile, from nothing: 17-23 s).
