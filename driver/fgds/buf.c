@@ -41,6 +41,7 @@
 #include <linux/idr.h>
 #include <linux/mm.h>
 #include <linux/pagemap.h>
+#include <linux/rcupdate.h>
 #include <linux/sched/signal.h>
 #include <linux/sched/user.h>
 #include <linux/scatterlist.h>
@@ -171,7 +172,8 @@ void fgds_buf_free(struct fgds_buf *buf)
 	put_device(&buf->gpu->dev);
 	fgds_buf_users_exit(buf);
 	kvfree(buf->ext);
-	kfree(buf);
+	/* A lookup under RCU may still look at @ref (fgds_file_buf_get()). */
+	kfree_rcu(buf, rcu);
 }
 
 /* Takes @npages off what @uid has registered on @gpu; gpu->bufs_lock held. */
@@ -853,13 +855,19 @@ struct fgds_buf *fgds_file_buf_get(struct fgds_file *f, unsigned long id)
 {
 	struct fgds_buf *buf = NULL;
 
-	if (id <= U32_MAX) {
-		mutex_lock(&f->lock);
-		buf = xa_load(&f->bufs, id);
-		if (buf)
-			kref_get(&buf->ref);
-		mutex_unlock(&f->lock);
-	}
+	if (id > U32_MAX)
+		return NULL;
+	/*
+	 * Every read and write looks its registration up: no lock. The entry
+	 * holds a reference, so one found here is released only once it left
+	 * the registry, and freed a grace period after that (fgds_buf_free());
+	 * one whose last reference already went is not taken again.
+	 */
+	rcu_read_lock();
+	buf = xa_load(&f->bufs, id);
+	if (buf && !kref_get_unless_zero(&buf->ref))
+		buf = NULL;
+	rcu_read_unlock();
 	return buf;
 }
 

@@ -223,8 +223,10 @@ struct fgds_gpu {
  * @gpu: the node's GPU (device reference held)
  * @mapping: the address_space every mapping made through this file uses
  *	(fgds_mapping, shared by all files)
- * @lock: protects @bufs and @nr
- * @bufs: registry, id -> struct fgds_buf; idx = id << PAGE_SHIFT
+ * @lock: serialises changes to @bufs and @nr
+ * @bufs: registry, id -> struct fgds_buf; idx = id << PAGE_SHIFT. Looked up
+ *	under RCU (fgds_file_buf_get()): a registration is freed a grace period
+ *	after its last reference went
  * @nr: number of entries in @bufs
  */
 struct fgds_file {
@@ -345,6 +347,8 @@ struct fgds_fence {
  * @users_dead: @users was killed (under @lock)
  * @users_done: @users reached zero after it was killed: no call or request
  *	can reach the pages any more (set by its release, last)
+ * @rcu: frees it a grace period after fgds_buf_free(), for lookups that
+ *	found it in a registry under RCU
  */
 struct fgds_buf {
 	struct kref ref;
@@ -387,6 +391,7 @@ struct fgds_buf {
 	bool in_use;
 	bool users_dead;
 	bool users_done;
+	struct rcu_head rcu;
 };
 
 /*
