@@ -224,8 +224,8 @@ pub fn run_kernel(opts: &Options) -> anyhow::Result<KernelRun> {
 /// Runs the suite as `--machines` says: on one machine, or shared out between machines booted
 /// at once, each with the programs of its share in the suite's order and everything a run
 /// checks of its own (console, kmemleak, the driver's mode). The guest programs are built
-/// first, for all; the share with the Python programs is prepared last, so that the wheel is
-/// built while the first machine runs.
+/// first, for all, while the kernel is fetched; the share with the Python programs is
+/// prepared last, so that the wheel is built while the first machine runs.
 pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
     let machines = match opts.machines {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(2)),
@@ -256,7 +256,7 @@ pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
         let _held = PREPARING
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        guest::build_binaries(opts.build, &rust)?;
+        build_while_fetching(opts, &rust)?;
     }
     let results = std::thread::scope(|scope| {
         // Each machine is prepared once the one before it was (or failed to be).
@@ -294,6 +294,24 @@ pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
             .collect::<Vec<_>>()
     });
     results.into_iter().collect()
+}
+
+/// Builds the guest's programs while the host's packages and the kernel are fetched (the
+/// machines then find them there): on a bare machine the downloads (20 s and more for a
+/// Debian kernel's packages) no longer wait for the compiler.
+fn build_while_fetching(opts: &Options, rust: &[&str]) -> anyhow::Result<()> {
+    let spec: kernel::KernelSpec = opts.kernel.parse()?;
+    std::thread::scope(|scope| {
+        let fetch = scope.spawn(|| {
+            host::ensure_packages(host::VM_PACKAGES)?;
+            kernel::prepare(&spec, &host::cache_dir()?).map(drop)
+        });
+        let programs = guest::build_binaries(opts.build, rust);
+        let fetched = fetch
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::format_err!("the kernel's fetch panicked")));
+        programs.and(fetched)
+    })
 }
 
 /// About what building the wheel costs on two cores (`rig` profile, from nothing: 17-23 s).
