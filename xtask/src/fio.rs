@@ -113,6 +113,12 @@ pub fn build_engine() -> anyhow::Result<PathBuf> {
     Ok(out)
 }
 
+/// Fetches what the fgds engine's build needs (the host's fio, fio's source), ahead of it.
+pub fn fetch() -> anyhow::Result<()> {
+    host::ensure_packages(&["fio", "gcc", "curl"])?;
+    fio_source().map(drop)
+}
+
 /// fio's source tree for [`FIO_RELEASE`], fetched, checked and configured once in the cache.
 fn fio_source() -> anyhow::Result<PathBuf> {
     let dir = host::cache_dir()?.join(format!("fio-{FIO_RELEASE}"));

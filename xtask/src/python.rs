@@ -64,6 +64,11 @@ pub fn wheel(opts: &Options) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Fetches the tools the wheel's build needs (maturin, from PyPI), ahead of it.
+pub fn fetch_tools() -> anyhow::Result<()> {
+    tools_venv(&[MATURIN]).map(drop)
+}
+
 /// The venv of the build tools, with `packages` installed (from PyPI, once).
 fn tools_venv(packages: &[&str]) -> anyhow::Result<PathBuf> {
     host::ensure_packages(&["python3", "python3-venv", "python3-pip"])?;

@@ -256,7 +256,7 @@ pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
         let _held = PREPARING
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        build_while_fetching(opts, &rust)?;
+        build_while_fetching(opts, &suite, &rust)?;
     }
     let results = std::thread::scope(|scope| {
         // Each machine is prepared once the one before it was (or failed to be).
@@ -296,15 +296,27 @@ pub fn run_split(opts: &Options) -> anyhow::Result<Vec<KernelRun>> {
     results.into_iter().collect()
 }
 
-/// Builds the guest's programs while the host's packages and the kernel are fetched (the
-/// machines then find them there): on a bare machine the downloads (20 s and more for a
-/// Debian kernel's packages) no longer wait for the compiler.
-fn build_while_fetching(opts: &Options, rust: &[&str]) -> anyhow::Result<()> {
+/// Builds the guest's programs while the host's packages, the kernel and what fio's engine and
+/// the wheel build from are fetched (the machines then find them there): on a bare machine
+/// the downloads (20 s and more for a Debian kernel's packages) no longer wait for the
+/// compiler.
+fn build_while_fetching(
+    opts: &Options,
+    suite: &[guest::SuiteEntry],
+    rust: &[&str],
+) -> anyhow::Result<()> {
     let spec: kernel::KernelSpec = opts.kernel.parse()?;
     std::thread::scope(|scope| {
         let fetch = scope.spawn(|| {
             host::ensure_packages(host::VM_PACKAGES)?;
-            kernel::prepare(&spec, &host::cache_dir()?).map(drop)
+            kernel::prepare(&spec, &host::cache_dir()?)?;
+            if suite.iter().any(|e| e.fio) {
+                fio::fetch()?;
+            }
+            if suite.iter().any(|e| e.python) {
+                python::fetch_tools()?;
+            }
+            Ok(())
         });
         let programs = guest::build_binaries(opts.build, rust);
         let fetched = fetch
