@@ -221,47 +221,45 @@ pub fn nvme(write: bool) -> anyhow::Result<File> {
 // the point, not a contract the caller must keep.
 #[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn pread_raw(file: &File, ptr: *mut u8, len: usize, off: u64) -> Result<usize, Errno> {
-    let mut done = 0;
-    while done < len {
+    raw_io(len, off, |done, at| {
         // SAFETY: the kernel checks the range and fails with EFAULT where it is not mapped.
-        let n = unsafe {
+        unsafe {
             libc::pread(
                 file.as_raw_fd(),
                 ptr.wrapping_add(done).cast(),
                 len - done,
-                (off + done as u64) as libc::off_t,
+                at,
             )
-        };
-        if n < 0 {
-            return Err(Errno::from_raw_os_error(
-                std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
-            ));
         }
-        if n == 0 {
-            break;
-        }
-        done += n as usize;
-    }
-    Ok(done)
+    })
 }
 
 /// pwrite(2) from a raw address until done or error; returns bytes done or the errno.
-// Tests pass addresses here on purpose that may be unmapped, revoked or GPU memory: the
-// kernel checks them (EFAULT) or a throwaway child takes the signal, so the raw pointer is
-// the point, not a contract the caller must keep.
+// As for pread_raw().
 #[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn pwrite_raw(file: &File, ptr: *const u8, len: usize, off: u64) -> Result<usize, Errno> {
-    let mut done = 0;
-    while done < len {
+    raw_io(len, off, |done, at| {
         // SAFETY: the kernel checks the range and fails with EFAULT where it is not mapped.
-        let n = unsafe {
+        unsafe {
             libc::pwrite(
                 file.as_raw_fd(),
                 ptr.wrapping_add(done).cast(),
                 len - done,
-                (off + done as u64) as libc::off_t,
+                at,
             )
-        };
+        }
+    })
+}
+
+/// Calls `call(done, file offset)` until `len` bytes are done, a call moves none, or one fails.
+fn raw_io(
+    len: usize,
+    off: u64,
+    mut call: impl FnMut(usize, libc::off_t) -> isize,
+) -> Result<usize, Errno> {
+    let mut done = 0;
+    while done < len {
+        let n = call(done, (off + done as u64) as libc::off_t);
         if n < 0 {
             return Err(Errno::from_raw_os_error(
                 std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
