@@ -865,8 +865,11 @@ struct fgds_buf *fgds_file_buf_get(struct fgds_file *f, unsigned long id)
 	 */
 	rcu_read_lock();
 	buf = xa_load(&f->bufs, id);
-	if (buf && !kref_get_unless_zero(&buf->ref))
-		buf = NULL;
+	if (buf) {
+		fgds_lookup_window();
+		if (!kref_get_unless_zero(&buf->ref))
+			buf = NULL;
+	}
 	rcu_read_unlock();
 	return buf;
 }

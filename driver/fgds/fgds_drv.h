@@ -429,8 +429,28 @@ static inline void fgds_race_window(void)
 	if (us)
 		usleep_range(us, us + us / 4 + 1);
 }
+
+extern unsigned int fgds_lookup_window_us;
+
+/*
+ * The same for a lookup of a registration, under RCU: it spins, never sleeps
+ * (lookup_window_us, at most 20 ms).
+ */
+static inline void fgds_lookup_window(void)
+{
+	unsigned int us = min(READ_ONCE(fgds_lookup_window_us), 20000U);
+
+	if (us) {
+		mdelay(us / 1000);
+		udelay(us % 1000);
+	}
+}
 #else
 static inline void fgds_race_window(void)
+{
+}
+
+static inline void fgds_lookup_window(void)
 {
 }
 #endif

@@ -59,6 +59,11 @@ unsigned int fgds_race_window_us;
 module_param_named(race_window_us, fgds_race_window_us, uint, 0644);
 MODULE_PARM_DESC(race_window_us,
 		 "Kernels with fault injection only: how long UNREG of a registration waits after giving up the reservation lock, before it frees the registration, so that tests can race an invalidation into that window (default 0)");
+
+unsigned int fgds_lookup_window_us;
+module_param_named(lookup_window_us, fgds_lookup_window_us, uint, 0644);
+MODULE_PARM_DESC(lookup_window_us,
+		 "Kernels with fault injection only: how long a lookup of a registration by its token spins between finding it and taking a reference (only where it found one), so that tests can race UNREG and the registration's free into that window (default 0, at most 20000)");
 #endif
 
 static const char * const fgds_pages_names[] = {

@@ -514,3 +514,27 @@ pub fn write_nvme2_pattern(path: &std::path::Path, seed: u64, len: usize) -> any
     file.write_all_at(ram.as_slice(), 0)?;
     Ok(())
 }
+
+/// One of fgds's fault-injection windows (`race_window_us`, `lookup_window_us`: kernels with
+/// fault injection only), set for as long as it lives.
+pub struct Window(std::path::PathBuf);
+
+impl Window {
+    /// Sets fgds's parameter `name` to `us`; `None` where the kernel has no such parameter.
+    pub fn set(name: &str, us: u32) -> anyhow::Result<Option<Window>> {
+        let param = Path::new("/sys/module/fgds/parameters").join(name);
+        if !param.exists() {
+            return Ok(None);
+        }
+        std::fs::write(&param, us.to_string())
+            .with_context(|| format!("write {}", param.display()))?;
+        ktap::diag(format_args!("{name}: {us} us"));
+        Ok(Some(Window(param)))
+    }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        let _ = std::fs::write(&self.0, "0");
+    }
+}

@@ -68,7 +68,78 @@ fn main() {
             name: "crate_transfer_takes_the_commands",
             run: crate_transfer_takes_the_commands,
         },
+        Case {
+            name: "lookup_racing_unreg_takes_no_freed_registration",
+            run: lookup_racing_unreg,
+        },
     ])
+}
+
+/// A read's lookup of its registration racing the UNREG that drops its last reference: the
+/// lookup finds the entry under RCU and takes a reference only if the last one has not gone,
+/// so a read that found a registration going fails with ENOENT, and the registration's memory
+/// outlives the lookup (freed a grace period later). fgds spins `lookup_window_us` between
+/// finding the entry and taking the reference, and the UNREG lands in that spin; a read that
+/// took the whole spin and got ENOENT found the entry before the UNREG and lost to it. On the
+/// debug kernels KASAN reports the use after free of a lookup without the grace period.
+fn lookup_racing_unreg() -> CaseResult {
+    const WINDOW: Duration = Duration::from_millis(10);
+    const ROUNDS: u32 = 20;
+    const LEN: u64 = 64 * 1024;
+    let Some(_window) = fault::Window::set("lookup_window_us", WINDOW.as_micros() as u32)? else {
+        return ktap::skip(
+            "no lookup_window_us: fgds's fault-injection windows need CONFIG_FAULT_INJECTION \
+             (the build:X.Y+debug kernels)",
+        );
+    };
+    fault::require_idle()?;
+    let node = common::open_node()?;
+    let vgpu = common::vgpu()?;
+    let nvme = common::nvme(false)?;
+    let mut lost = 0;
+    for _ in 0..ROUNDS {
+        let (dmabuf, _) = common::alloc(&vgpu, LEN)?;
+        let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN).context("REG")?;
+        drop(dmabuf);
+        let arg = io_arg(idx, 0, PAGE, &nvme, SCRATCH);
+        // The registration in use (its @users switched on), as a busy one is.
+        ioctl_io(&node, false, &arg)
+            .map_err(std::io::Error::from_raw_os_error)
+            .context("FGDS_IOCTL_READ before the race")?;
+        let (read, took) = std::thread::scope(|scope| {
+            let reader = scope.spawn(|| {
+                let started = Instant::now();
+                (ioctl_io(&node, false, &arg), started.elapsed())
+            });
+            // Inside the reader's spin, after its lookup found the entry.
+            std::thread::sleep(WINDOW / 5);
+            let unreg = common::unreg(&node, idx);
+            let read = reader
+                .join()
+                .map_err(|_| anyhow::format_err!("the reading thread panicked"))?;
+            ensure!(unreg.is_ok(), "UNREG of a live token: {unreg:?}");
+            Ok(read)
+        })?;
+        match read {
+            Err(libc::ENOENT) if took >= WINDOW => lost += 1,
+            // The read came before the UNREG, or its lookup after it.
+            Ok(n) if n == PAGE as usize => {}
+            Err(libc::ENOENT) => {}
+            other => bail!("a read racing UNREG: {other:?} (wanted {PAGE} bytes or ENOENT)"),
+        }
+    }
+    ktap::diag(format_args!(
+        "{ROUNDS} rounds; the read found the registration and lost it to the UNREG in {lost}"
+    ));
+    ensure!(
+        lost > 0,
+        "in {ROUNDS} rounds no read's lookup found the registration before the UNREG and lost \
+         it: the race never happened"
+    );
+    drop(node);
+    fault::wait_counters_zero("after the races")?;
+    fault::wait_vgpu_buffers_gone("after the races: fgds let every buffer go")?;
+    ktap::pass()
 }
 
 /// `struct fgds_io` for `len` bytes at `offset` of token `idx` and `file_offset` of `file`.

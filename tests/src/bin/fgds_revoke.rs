@@ -988,7 +988,7 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
     // On kernels with fault injection, fgds widens the window the bug needed (between the
     // UNREG's unlock and the free) to 2 ms, so that a revocation sweeping across it lands
     // there in many rounds, not by chance.
-    let window = RaceWindow::set(2000)?;
+    let window = fault::Window::set("race_window_us", 2000)?;
     let node = common::open_node()?;
     let vgpu = common::vgpu()?;
     let started = Instant::now();
@@ -1000,7 +1000,7 @@ fn unreg_racing_an_invalidation_with_pages_shared() -> CaseResult {
     // Rounds where the revocation began while the UNREG ran: with the race window, inside it.
     let mut during = 0u32;
     let mut longest_revocation = Duration::ZERO;
-    let windowed = window.0.is_some();
+    let windowed = window.is_some();
     let seen_both =
         |b: u32, a: u32, o: u32, d: u32| b > 0 && a > 0 && o > 0 && (!windowed || d > 0);
     while rounds < ROUNDS
@@ -1174,30 +1174,6 @@ fn unreg_of_a_used_registration_racing_an_invalidation() -> CaseResult {
     fault::wait_counters_zero("after the races")?;
     fault::wait_vgpu_buffers_gone("after the races: fgds let every buffer go")?;
     ktap::pass()
-}
-
-/// fgds's `race_window_us` (kernels with fault injection only) for as long as it lives; `set`
-/// does nothing where the parameter does not exist.
-struct RaceWindow(Option<&'static str>);
-
-impl RaceWindow {
-    fn set(us: u32) -> anyhow::Result<RaceWindow> {
-        const PARAM: &str = "/sys/module/fgds/parameters/race_window_us";
-        if !std::path::Path::new(PARAM).exists() {
-            return Ok(RaceWindow(None));
-        }
-        std::fs::write(PARAM, us.to_string()).with_context(|| format!("write {PARAM}"))?;
-        ktap::diag(format_args!("race window: {us} us ({PARAM})"));
-        Ok(RaceWindow(Some(PARAM)))
-    }
-}
-
-impl Drop for RaceWindow {
-    fn drop(&mut self) {
-        if let Some(param) = self.0 {
-            let _ = std::fs::write(param, "0");
-        }
-    }
 }
 
 /// A pipe: (read end, write end).
