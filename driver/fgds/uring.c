@@ -23,7 +23,8 @@
  * command ends with -ECANCELED.
  *
  * Lock order: the ring's uring_lock (held while a command is issued and
- * while its task work runs) -> f->lock, buf->lock (read).
+ * while its task work runs) -> buf->lock (read); the registration is looked
+ * up under RCU, with no lock.
  *
  * There are no io_uring slots of registrations (fixed buffers a request
  * names by index): a slot could be used by any read or write of the ring,
