@@ -49,9 +49,13 @@ pub struct Options {
     pub job: Option<PathBuf>,
 }
 
+/// What building the engine needs on the host: fio, to match its structures, a compiler, and
+/// curl for fio's source.
+const HOST_PACKAGES: &[&str] = &["fio", "gcc", "curl"];
+
 /// Builds the engine for the host's fio; returns the shared object.
 pub fn build_engine() -> anyhow::Result<PathBuf> {
-    host::ensure_packages(&["fio", "gcc", "curl"])?;
+    host::ensure_packages(HOST_PACKAGES)?;
     let version = Command::new("fio")
         .arg("--version")
         .output()
@@ -115,7 +119,7 @@ pub fn build_engine() -> anyhow::Result<PathBuf> {
 
 /// Fetches what the fgds engine's build needs (the host's fio, fio's source), ahead of it.
 pub fn fetch() -> anyhow::Result<()> {
-    host::ensure_packages(&["fio", "gcc", "curl"])?;
+    host::ensure_packages(HOST_PACKAGES)?;
     fio_source().map(drop)
 }
 

@@ -321,7 +321,7 @@ fn build_while_fetching(
         let programs = guest::build_binaries(opts.build, rust);
         let fetched = fetch
             .join()
-            .unwrap_or_else(|_| Err(anyhow::format_err!("the kernel's fetch panicked")));
+            .unwrap_or_else(|_| Err(anyhow::format_err!("the fetching thread panicked")));
         programs.and(fetched)
     })
 }
