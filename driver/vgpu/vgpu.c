@@ -1232,7 +1232,7 @@ static ssize_t last_revoke_show(struct device *dev,
 }
 static DEVICE_ATTR_RO(last_revoke);
 
-/* The rig's data pattern (tests/src/pattern.rs): word at byte @offset. */
+/* The rig's data pattern (tests/pattern/src/lib.rs): word at byte @offset. */
 static u64 vgpu_pattern_word(u64 seed, u64 offset)
 {
 	u64 z = (offset / 8) ^ rol64(seed, 32);

@@ -68,16 +68,16 @@ impl CpuMapping {
                 && offset + src.len() <= self.len,
             "unaligned or out of bounds"
         );
-        for (i, chunk) in src.chunks_exact(8).enumerate() {
-            let word = u64::from_ne_bytes(chunk.try_into().expect("8 bytes"));
-            // SAFETY: in bounds and 8-byte aligned (checked above; the mapping is page aligned).
-            unsafe {
-                self.ptr
-                    .as_ptr()
-                    .add(offset + 8 * i)
-                    .cast::<u64>()
-                    .write_volatile(word)
-            };
+        // A plain loop over raw words: unoptimised builds (the rig's) copy at a sixth of the
+        // cost of the slice iterators, optimised ones at the same.
+        let from = src.as_ptr().cast::<u64>();
+        let to = self.ptr.as_ptr().wrapping_add(offset).cast::<u64>();
+        let (words, mut i) = (src.len() / 8, 0);
+        while i < words {
+            // SAFETY: word `i` lies in `src` (read unaligned) and in the mapping, whose offset
+            // and start are 8-byte aligned (checked above; the mapping is page aligned).
+            unsafe { to.add(i).write_volatile(from.add(i).read_unaligned()) };
+            i += 1;
         }
     }
 
@@ -89,16 +89,13 @@ impl CpuMapping {
                 && offset + dst.len() <= self.len,
             "unaligned or out of bounds"
         );
-        for (i, chunk) in dst.chunks_exact_mut(8).enumerate() {
-            // SAFETY: in bounds and 8-byte aligned (checked above).
-            let word = unsafe {
-                self.ptr
-                    .as_ptr()
-                    .add(offset + 8 * i)
-                    .cast::<u64>()
-                    .read_volatile()
-            };
-            chunk.copy_from_slice(&word.to_ne_bytes());
+        let from = self.ptr.as_ptr().wrapping_add(offset).cast::<u64>();
+        let to = dst.as_mut_ptr().cast::<u64>();
+        let (words, mut i) = (dst.len() / 8, 0);
+        while i < words {
+            // SAFETY: as in `write`, with the roles of the two swapped.
+            unsafe { to.add(i).write_unaligned(from.add(i).read_volatile()) };
+            i += 1;
         }
     }
 }

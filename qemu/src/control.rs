@@ -13,7 +13,7 @@
 //! - `gpu_check <offset> <len> <seed> [<pattern-offset>]`: the host reads `len` bytes at
 //!   `offset` of the GPU's memory (BAR2) from its backing file now (QEMU maps the file shared,
 //!   so it holds what the guest and DMA put there) and compares them with the pattern of
-//!   `seed` (`fgds_tests::pattern`) as it stands at `pattern-offset` of its stream (default 0);
+//!   `seed` (`fgds_pattern`) as it stands at `pattern-offset` of its stream (default 0);
 //!   `ok` if they match, else `error` with the first differing byte. Numbers are decimal or
 //!   `0x` hex; offsets and lengths multiples of 8;
 //! - `qemu_cpu`: the CPU time QEMU has used so far, in nanoseconds, all its threads and its
@@ -388,7 +388,7 @@ pub fn gpu_check(backing: &Path, bytes: u64, args: &str) -> anyhow::Result<Strin
                 offset + done
             )
         })?;
-        if let Some(i) = fgds_tests::pattern::first_mismatch(seed, at + done, chunk) {
+        if let Some(i) = fgds_pattern::first_mismatch(seed, at + done, chunk) {
             let byte = offset + done + i as u64;
             // The 8-byte word there, found and wanted: what was written instead says who wrote.
             let word = i & !7;
@@ -396,7 +396,7 @@ pub fn gpu_check(backing: &Path, bytes: u64, args: &str) -> anyhow::Result<Strin
                 .get(word..word + 8)
                 .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
             let mut wanted = [0u8; 8];
-            fgds_tests::pattern::fill(seed, at + done + word as u64, &mut wanted);
+            fgds_pattern::fill(seed, at + done + word as u64, &mut wanted);
             anyhow::bail!(
                 "the GPU's memory differs from the pattern of seed {seed:#x} at BAR2 byte \
                  {byte:#x} ({:#x} into the {len:#x} bytes checked from {offset:#x}): found \
@@ -451,7 +451,7 @@ mod tests {
             assert!(!is_vcpu_thread(name), "{name}");
         }
     }
-    use fgds_tests::pattern;
+    use fgds_pattern as pattern;
 
     fn backing(name: &str, bytes: &[u8]) -> std::path::PathBuf {
         let path = std::env::temp_dir().join(format!("fgds-control-{}-{name}", std::process::id()));

@@ -18,10 +18,10 @@ import traceback
 from typing import Callable, List, NoReturn, Optional, Tuple
 
 MIB = 1 << 20
-#: The seed of the pattern in the raw drive's first 64 MiB (tests/src/pattern.rs).
+#: The seed of the pattern in the raw drive's first 64 MiB (tests/pattern/src/lib.rs).
 NVME_SEED = 0x66676473
 NVME_PATTERN_BYTES = 64 * MIB
-#: Reads touching this MiB of the raw drive fail every time (tests/src/pattern.rs, fault).
+#: Reads touching this MiB of the raw drive fail every time (tests/pattern/src/lib.rs, fault).
 READ_ALWAYS = 240 * MIB
 
 

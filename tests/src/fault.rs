@@ -218,12 +218,16 @@ pub fn data_check(len: u64, nvme_off: u64) -> anyhow::Result<()> {
 /// Copies a live fgds mapping into RAM with volatile 8-byte loads (device memory is never a
 /// Rust reference).
 pub fn read_mapping(map: &common::Map) -> Vec<u8> {
-    let words = map.len / 8;
-    let mut out = Vec::with_capacity(map.len);
-    for i in 0..words {
-        // SAFETY: `i * 8 + 8 <= map.len`, inside the live mapping, which is page aligned.
-        let w = unsafe { std::ptr::read_volatile(map.ptr.cast::<u64>().add(i)) };
-        out.extend_from_slice(&w.to_ne_bytes());
+    let mut out = vec![0u8; map.len / 8 * 8];
+    let (from, to) = (map.ptr.cast::<u64>(), out.as_mut_ptr().cast::<u64>());
+    // A plain loop over raw words: the rig's unoptimised build runs it at a sixth of the cost
+    // of slice iterators.
+    let (words, mut i) = (map.len / 8, 0);
+    while i < words {
+        // SAFETY: `i * 8 + 8 <= map.len`, inside the live mapping, which is page aligned, and
+        // inside `out` (written unaligned).
+        unsafe { to.add(i).write_unaligned(from.add(i).read_volatile()) };
+        i += 1;
     }
     out
 }

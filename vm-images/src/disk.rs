@@ -5,7 +5,7 @@ use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use fgds_tests::pattern;
+use fgds_pattern as pattern;
 
 /// Writes a fresh NVMe image: [`pattern::NVME_PATTERN_BYTES`] of the pattern, then zeroes up to
 /// [`pattern::NVME_IMAGE_BYTES`] (sparse).

@@ -78,7 +78,8 @@ impl SuiteEntry {
 /// How the guest's Rust programs are built.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Build {
-    /// The `guest` profile (opt-level 1): the rig's test runs, quicker to build.
+    /// The `rig` profile (unoptimised but for the data pattern): the rig's test runs, quicker
+    /// to build.
     #[default]
     Tests,
     /// `release`, as users get the CLI: for what measures (`cargo xtask bench`).
@@ -88,7 +89,7 @@ pub enum Build {
 impl Build {
     fn profile(self) -> &'static str {
         match self {
-            Build::Tests => "guest",
+            Build::Tests => "rig",
             Build::Release => "release",
         }
     }

@@ -6,8 +6,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use fgds_pattern as pattern;
 use fgds_qemu::machine::{self, Accel, TcgThreads};
-use fgds_tests::pattern;
 use fgds_vm_images::{disk, kernel};
 
 use crate::expected::{self, RunConfig};
@@ -831,6 +831,21 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
     let expected_skips = expected::apply(run_config, label, covered, &mut outcomes);
     // The GPU's memory is RAM of the host: give it back once the verdicts are in.
     drop(memory);
+    let program_secs = run
+        .results
+        .iter()
+        .scan(Duration::ZERO, |last, (name, at)| {
+            let took = at.saturating_sub(*last);
+            *last = *at;
+            Some((name.clone(), took.as_secs_f64()))
+        })
+        .collect::<Vec<_>>();
+    let timings = program_secs
+        .iter()
+        .map(|(name, secs)| format!("{secs:6.1} {name}\n"))
+        .collect::<String>();
+    std::fs::write(run_dir.join("programs.txt"), timings)
+        .with_context(|| format!("cannot write {}", run_dir.join("programs.txt").display()))?;
     Ok(KernelRun {
         spec: opts.kernel.clone(),
         release: kernel.release.clone(),
@@ -843,15 +858,7 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         booted_in: run.boot,
         outcomes,
         run_dir: run_dir.clone(),
-        program_secs: run
-            .results
-            .iter()
-            .scan(Duration::ZERO, |last, (name, at)| {
-                let took = at.saturating_sub(*last);
-                *last = *at;
-                Some((name.clone(), took.as_secs_f64()))
-            })
-            .collect(),
+        program_secs,
         phases: phases.summary(),
     })
 }
@@ -880,7 +887,7 @@ fn claim_run_dir(vm: &Path, label: &str) -> anyhow::Result<(PathBuf, File)> {
     )
 }
 
-/// The drive's fault areas (`fgds_tests::pattern::fault`) as blkdebug rules, EIO each.
+/// The drive's fault areas (`fgds_pattern::fault`) as blkdebug rules, EIO each.
 fn nvme_errors() -> Vec<machine::InjectError> {
     use pattern::fault;
     let sector = |byte: u64| byte / 512;

@@ -228,8 +228,5 @@ fn rebind_vgpu() -> anyhow::Result<()> {
 
 /// Whether the kernel was built with CONFIG_PCI_P2PDMA (its exported entry point exists).
 fn kernel_has_p2pdma() -> anyhow::Result<bool> {
-    let syms = std::fs::read_to_string("/proc/kallsyms").context("cannot read /proc/kallsyms")?;
-    Ok(syms
-        .lines()
-        .any(|l| l.split_whitespace().nth(2) == Some("pci_p2pdma_add_resource")))
+    fgds_tests::guest::kernel_has_symbol("pci_p2pdma_add_resource")
 }

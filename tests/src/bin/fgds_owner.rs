@@ -232,13 +232,6 @@ fn exporter_refusing_the_dma_device_is_eremoteio() -> CaseResult {
     ktap::pass()
 }
 
-fn kernel_has(symbol: &str) -> anyhow::Result<bool> {
-    let suffix = format!(" {symbol}");
-    Ok(std::fs::read_to_string("/proc/kallsyms")?
-        .lines()
-        .any(|l| l.ends_with(&suffix)))
-}
-
 fn vgpu_module() -> anyhow::Result<(String, String)> {
     guest::rig_modules()?
         .into_iter()
@@ -463,7 +456,7 @@ fn owner_keeps_its_state(
 }
 
 fn foreign_p2pdma_state_gets_no_pages() -> CaseResult {
-    if !kernel_has("pcim_p2pdma_provider")? {
+    if !guest::kernel_has_symbol("pcim_p2pdma_provider")? {
         return ktap::skip("no P2PDMA providers in this kernel (Linux 6.19 and later)");
     }
     if common::gpu_dma_translated()? {
@@ -476,7 +469,7 @@ fn foreign_p2pdma_state_gets_no_pages() -> CaseResult {
 }
 
 fn exporter_p2pdma_pages_unchanged() -> CaseResult {
-    if !kernel_has("pci_p2pdma_add_resource")? {
+    if !guest::kernel_has_symbol("pci_p2pdma_add_resource")? {
         return ktap::skip("no CONFIG_PCI_P2PDMA in this kernel");
     }
     let bar = common::sysfs_u64("bar_size")?;
