@@ -4,11 +4,11 @@
 //! throughput-against-block-size plots (PNG and SVG), one line per mode.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::Path;
-use std::process::ExitCode;
+use std::process::{Command, ExitCode, Stdio};
 
 use anyhow::{Context, bail};
-use plotters::prelude::*;
 use serde_json::Value;
 
 use crate::{guest, host, vm};
@@ -1250,11 +1250,6 @@ fn fmt_ratio(r: Option<f64>) -> String {
     }
 }
 
-/// Block sizes are powers of two: the plots' x axis is their log2, labelled in bytes.
-fn log2(bytes: u64) -> f64 {
-    (bytes.max(1) as f64).log2()
-}
-
 /// A block size as the tables print it: `4K`, `1M`.
 pub fn human(bytes: u64) -> String {
     if bytes >= 1 << 20 {
@@ -1267,14 +1262,9 @@ pub fn human(bytes: u64) -> String {
 /// A plot's lines: mode -> (block size, MiB/s) points.
 type Lines = BTreeMap<String, Vec<(u64, f64)>>;
 
-/// One plot per (op, queue depth): MiB/s against block size (log scale), a line per mode.
-/// Returns how many files it wrote.
+/// One plot per (op, queue depth): MiB/s against block size (log scale), a line per mode,
+/// as PNG and SVG, drawn by `xtask-plot` (xtask/plot/). Returns how many files it wrote.
 fn plot(rows: &[Value], out_dir: &Path, label: &str) -> anyhow::Result<usize> {
-    let font = std::fs::read(FONT).with_context(|| format!("cannot read the plot font {FONT}"))?;
-    // The font must outlive every drawing: leak the one copy.
-    let font: &'static [u8] = Box::leak(font.into_boxed_slice());
-    plotters::style::register_font("sans-serif", FontStyle::Normal, font)
-        .map_err(|_| anyhow::format_err!("cannot load {FONT}"))?;
     let mut series: BTreeMap<(String, u64), Lines> = BTreeMap::new();
     for ((op, qd, bs), modes) in grid(rows, "main") {
         for (mode, row) in modes {
@@ -1287,101 +1277,35 @@ fn plot(rows: &[Value], out_dir: &Path, label: &str) -> anyhow::Result<usize> {
                 .push((bs, value));
         }
     }
-    let mut written = 0;
-    for ((op, qd), modes) in &series {
-        // Not `with_extension`: the label has a dot (debian-6.12).
-        let stem = format!("{label}-{op}-qd{qd}");
-        let title = format!("{label}: {op}, queue depth {qd}");
-        let png = out_dir.join(format!("{stem}.png"));
-        draw(
-            BitMapBackend::new(&png, (900, 560)).into_drawing_area(),
-            &title,
-            modes,
-        )?;
-        let svg = out_dir.join(format!("{stem}.svg"));
-        draw(
-            SVGBackend::new(&svg, (900, 560)).into_drawing_area(),
-            &title,
-            modes,
-        )?;
-        written += 2;
-    }
-    Ok(written)
-}
-
-fn draw<DB: DrawingBackend>(
-    area: DrawingArea<DB, plotters::coord::Shift>,
-    title: &str,
-    modes: &Lines,
-) -> anyhow::Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    area.fill(&WHITE)
-        .map_err(|e| anyhow::format_err!("{e:?}"))?;
-    let xs = modes
-        .values()
-        .flatten()
-        .map(|(x, _)| *x)
-        .collect::<Vec<_>>();
-    let (x_min, x_max) = (
-        xs.iter().min().copied().unwrap_or(4096),
-        xs.iter().max().copied().unwrap_or(1 << 26),
-    );
-    let y_max = modes
-        .values()
-        .flatten()
-        .map(|(_, y)| *y)
-        .fold(1.0, f64::max)
-        * 1.15;
-    let mut chart = ChartBuilder::on(&area)
-        .caption(title, ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(60)
-        .build_cartesian_2d(log2(x_min) - 0.3..log2(x_max) + 0.3, 0.0..y_max)
-        .map_err(|e| anyhow::format_err!("{e:?}"))?;
-    chart
-        .configure_mesh()
-        .x_desc("block size (log scale)")
-        .y_desc("MiB/s")
-        .x_labels((log2(x_max) - log2(x_min)) as usize + 1)
-        .x_label_formatter(&|x| {
-            if (x - x.round()).abs() < 1e-6 {
-                human(2f64.powf(*x) as u64)
-            } else {
-                String::new()
-            }
+    let plots = series
+        .iter()
+        .map(|((op, qd), lines)| {
+            // Not `with_extension` on a path: the label has a dot (debian-6.12).
+            serde_json::json!({
+                "stem": format!("{label}-{op}-qd{qd}"),
+                "title": format!("{label}: {op}, queue depth {qd}"),
+                "lines": lines,
+            })
         })
-        .draw()
-        .map_err(|e| anyhow::format_err!("{e:?}"))?;
-    let colors = [&BLUE, &RED, &GREEN, &MAGENTA];
-    for (i, (mode, points)) in modes.iter().enumerate() {
-        let color = colors[i % colors.len()];
-        let mut pts = points
-            .iter()
-            .map(|(x, y)| (log2(*x), *y))
-            .collect::<Vec<_>>();
-        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        chart
-            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
-            .map_err(|e| anyhow::format_err!("{e:?}"))?
-            .label(mode.as_str())
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-            });
-        chart
-            .draw_series(pts.iter().map(|p| Circle::new(*p, 3, color.filled())))
-            .map_err(|e| anyhow::format_err!("{e:?}"))?;
+        .collect::<Vec<_>>();
+    let mut child = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
+        .current_dir(crate::project_root())
+        .args(["run", "--quiet", "-p", "xtask-plot", "--", FONT])
+        .arg(out_dir)
+        .stdin(Stdio::piped())
+        .spawn()
+        .context("cannot run cargo for xtask-plot")?;
+    let written = child
+        .stdin
+        .take()
+        .context("xtask-plot's stdin")?
+        .write_all(serde_json::to_string(&plots)?.as_bytes());
+    let status = child.wait().context("waiting for xtask-plot")?;
+    written.context("cannot give xtask-plot its plots")?;
+    if !status.success() {
+        bail!("xtask-plot failed to draw the plots (see its message above)");
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| anyhow::format_err!("{e:?}"))?;
-    area.present().map_err(|e| anyhow::format_err!("{e:?}"))?;
-    Ok(())
+    Ok(2 * plots.len())
 }
 
 #[cfg(test)]
