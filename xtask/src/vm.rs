@@ -845,8 +845,9 @@ pub fn boot(prepared: &Prepared, opts: &Options, echo: bool) -> anyhow::Result<K
         .iter()
         .map(|(name, secs)| format!("{secs:6.1} {name}\n"))
         .collect::<String>();
-    std::fs::write(run_dir.join("programs.txt"), timings)
-        .with_context(|| format!("cannot write {}", run_dir.join("programs.txt").display()))?;
+    let timings_path = run_dir.join("programs.txt");
+    std::fs::write(&timings_path, timings)
+        .with_context(|| format!("cannot write {}", timings_path.display()))?;
     Ok(KernelRun {
         spec: opts.kernel.clone(),
         release: kernel.release.clone(),
