@@ -156,6 +156,9 @@ fn build_wheel_now(profile: WheelProfile) -> anyhow::Result<PathBuf> {
             profile.name(),
             "-m",
             "python/Cargo.toml",
+            // For the guest's target, like the guest's programs: their libraries are shared.
+            "--target",
+            crate::guest::GUEST_TARGET,
             "--out",
         ])
         .arg(&out)
