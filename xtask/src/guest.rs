@@ -64,8 +64,8 @@ pub struct SuiteEntry {
     /// The program uses the field's storage (`+field`): the guest loads the kernel's NVMe
     /// target and host over TCP, and the machine has a third drive outside the GPU's switch.
     pub field: bool,
-    /// About how long it runs on a stock kernel, in seconds (`~N` on its suite line; 1 where
-    /// none is given): how `test-vm` shares the suite out between its machines.
+    /// About how long it runs on a stock kernel, in seconds (`~N` on its suite line; 0, under
+    /// a second, where none is given): how `test-vm` shares the suite out between its machines.
     pub typical_secs: u64,
 }
 
@@ -209,7 +209,7 @@ pub fn default_suite(bin_dir: &Path) -> anyhow::Result<Vec<SuiteEntry>> {
             .unwrap_or("120")
             .parse()
             .with_context(|| format!("bad timeout in {}: {line:?}", path.display()))?;
-        let (mut fio, mut fs, mut field, mut typical_secs) = (false, false, false, 1);
+        let (mut fio, mut fs, mut field, mut typical_secs) = (false, false, false, 0);
         for word in words {
             match word {
                 "+fio" => fio = true,

@@ -333,9 +333,10 @@ fn build_while_fetching(
     })
 }
 
-/// About what building the wheel costs on two cores while the other machine boots (`rig`
-/// profile, after the guest's programs, whose libraries it shares: 13 s).
-const WHEEL_SECS: u64 = 13;
+/// About how much later the machine with the Python programs starts its programs than the
+/// other, which boots while the wheel builds (`rig` profile, after the guest's programs, whose
+/// libraries it shares): 13-14 s of build, less the 5 s that build adds to the other's boot.
+const WHEEL_SECS: u64 = 9;
 
 /// The suite's programs shared out between `machines` by their typical seconds (the dearest
 /// first, each to the least loaded machine; the Python programs on the last machine, with the
@@ -1034,10 +1035,10 @@ mod tests {
             let at = |n: &String| suite.iter().position(|e| e.name == *n);
             assert!(part.windows(2).all(|w| at(&w[0]) < at(&w[1])), "{part:?}");
         }
-        // The Python program on the last machine, which carries the wheel's build (13 s): the
+        // The Python program on the last machine, which carries the wheel's build (9 s): the
         // first takes the dearest program and more besides (without the wheel counted, it
         // would have `revoke` alone).
-        assert_eq!(parts[0], ["a", "revoke", "last"]);
-        assert_eq!(parts[1], ["io", "py", "fio"]);
+        assert_eq!(parts[0], ["a", "revoke"]);
+        assert_eq!(parts[1], ["io", "py", "fio", "last"]);
     }
 }
