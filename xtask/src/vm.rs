@@ -335,8 +335,9 @@ fn build_while_fetching(
 
 /// About how much later the machine with the Python programs starts its programs than the
 /// other, which boots while the wheel builds (`rig` profile, after the guest's programs, whose
-/// libraries it shares): 13-14 s of build, less the 5 s that build adds to the other's boot.
-const WHEEL_SECS: u64 = 9;
+/// libraries it shares: 13-18 s), its own boot then beside the other's programs: 9-20 s,
+/// measured in five runs.
+const WHEEL_SECS: u64 = 15;
 
 /// The suite's programs shared out between `machines` by their typical seconds (the dearest
 /// first, each to the least loaded machine; the Python programs on the last machine, with the
@@ -1035,10 +1036,10 @@ mod tests {
             let at = |n: &String| suite.iter().position(|e| e.name == *n);
             assert!(part.windows(2).all(|w| at(&w[0]) < at(&w[1])), "{part:?}");
         }
-        // The Python program on the last machine, which carries the wheel's build (9 s): the
+        // The Python program on the last machine, which carries the wheel's build (15 s): the
         // first takes the dearest program and more besides (without the wheel counted, it
         // would have `revoke` alone).
-        assert_eq!(parts[0], ["a", "revoke"]);
-        assert_eq!(parts[1], ["io", "py", "fio", "last"]);
+        assert_eq!(parts[0], ["revoke", "io"]);
+        assert_eq!(parts[1], ["a", "py", "fio", "last"]);
     }
 }
