@@ -30,7 +30,12 @@ pub fn ensure_packages_without_recommends(packages: &[&str]) -> anyhow::Result<(
     install_missing(packages, true)
 }
 
+/// Held while apt-get runs: threads that fetch side by side (`test-vm`'s kernel, fio's
+/// source, the wheel's tools) may each find packages missing, and dpkg takes one at a time.
+static APT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn install_missing(packages: &[&str], no_recommends: bool) -> anyhow::Result<()> {
+    let _apt = APT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let missing = packages
         .iter()
         .copied()

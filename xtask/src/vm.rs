@@ -316,20 +316,25 @@ fn build_while_fetching(
                 .join("target/driver-builds")
                 .join(format!("ahead-{}", spec.slug()));
             std::fs::create_dir_all(&ahead)?;
-            driver::build(&kernel, &ahead)?;
+            driver::build(&kernel, &ahead).map(drop)
+        });
+        // fio's source and the wheel's tools beside the kernel (10 s from an empty cache).
+        let tools = scope.spawn(|| {
             if suite.iter().any(|e| e.fio) {
                 fio::fetch()?;
             }
             if suite.iter().any(|e| e.python) {
                 python::fetch_tools()?;
             }
-            Ok(())
+            anyhow::Ok(())
         });
         let programs = guest::build_binaries(opts.build, rust);
-        let fetched = fetch
-            .join()
-            .unwrap_or_else(|_| Err(anyhow::format_err!("the fetching thread panicked")));
-        programs.and(fetched)
+        let joined = |thread: std::thread::ScopedJoinHandle<'_, anyhow::Result<()>>| {
+            thread
+                .join()
+                .unwrap_or_else(|_| Err(anyhow::format_err!("a fetching thread panicked")))
+        };
+        programs.and(joined(fetch)).and(joined(tools))
     })
 }
 
