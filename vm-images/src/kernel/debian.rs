@@ -417,16 +417,55 @@ fn prepare_fresh(
         debs.push(apt.download(package, version)?);
     }
     eprintln!("unpacking {release} into {} ...", root.display());
-    let sh = Shell::new()?;
-    for deb in &debs {
-        run_logged(cmd!(sh, "dpkg -x {deb} {root}"), log)?;
-    }
+    // The packages side by side: the image's modules take most of the time.
+    std::thread::scope(|scope| {
+        let unpacks = debs
+            .iter()
+            .map(|deb| {
+                scope.spawn(move || {
+                    let sh = Shell::new()?;
+                    run_logged(cmd!(sh, "dpkg -x {deb} {root}"), log).map(drop)
+                })
+            })
+            .collect::<Vec<_>>();
+        unpacks.into_iter().try_for_each(|unpack| {
+            unpack
+                .join()
+                .unwrap_or_else(|_| Err(format_err!("an unpacking thread panicked")))
+        })
+    })?;
     let layout = locate(root, release)?;
     fix_tree(root, &layout.kdir, log)?;
-    if !layout.modules_dir.join("modules.dep").exists() {
-        depmod(&layout.modules_dir, release, log)?;
-    }
+    // depmod (10 s on two cores) beside the checks of the build tools and of a module build.
+    std::thread::scope(|scope| {
+        let modules_dir = layout.modules_dir.clone();
+        let depmod = scope.spawn(move || {
+            if modules_dir.join("modules.dep").exists() {
+                return Ok(());
+            }
+            depmod(&modules_dir, release, log)
+        });
+        let checked = check_tools_and_build(apt, cache_dir, series, pick, root, layout, log);
+        let depmod = depmod
+            .join()
+            .unwrap_or_else(|_| Err(format_err!("the depmod thread panicked")));
+        checked.and_then(|kernel| depmod.map(|()| kernel))
+    })
+    .and_then(|kernel| keep(root, kernel, &packages, debs))
+}
 
+/// Rebuilds the kbuild host tools of the unpacked headers that do not run here, then checks
+/// that a module builds against them.
+fn check_tools_and_build(
+    apt: &apt::Apt,
+    cache_dir: &Path,
+    series: &str,
+    pick: &Pick,
+    root: &Path,
+    layout: Layout,
+    log: &Path,
+) -> anyhow::Result<Kernel> {
+    let release = &pick.release;
     host::ensure(host::BUILD, log)?;
     let kbuild_root = fs::canonicalize(layout.kdir.join("scripts"))
         .ok()
@@ -456,12 +495,23 @@ fn prepare_fresh(
     let kernel = kernel(series, pick, layout, make_vars);
     eprintln!("checking a module build against {release} ...");
     kbuild::check_build(&kernel, &root.join(".fgds-check"), log)?;
+    Ok(kernel)
+}
 
+/// Marks the unpacked, checked tree at `root` as the cache of `kernel` (from `packages`), and
+/// removes the downloaded `debs`.
+fn keep(
+    root: &Path,
+    kernel: Kernel,
+    packages: &[(String, String)],
+    debs: Vec<PathBuf>,
+) -> anyhow::Result<Kernel> {
+    let release = &kernel.release;
     let mut marker = format!(
         "spec={}\nrelease={release}\npackage_version={}\n",
         kernel.spec, kernel.package_version
     );
-    for (package, version) in &packages {
+    for (package, version) in packages {
         marker.push_str(&format!("package={package}={version}\n"));
     }
     for var in &kernel.make_vars {
