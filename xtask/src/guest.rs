@@ -145,7 +145,58 @@ pub fn build_binaries(build: Build, test_bins: &[&str]) -> anyhow::Result<()> {
     if !out.success() {
         bail!("building the guest binaries failed (see cargo's output above)");
     }
+    let dir = bin_dir(build);
+    ["fgds-init", "fgds"]
+        .iter()
+        .chain(test_bins)
+        .try_for_each(|bin| ensure_static(&dir.join(bin)))
+}
+
+/// Fails for an ELF program that asks for an interpreter (a dynamic loader): the guest has no
+/// shared libraries, and the kernel's exec of such a program fails with nothing to say why.
+fn ensure_static(path: &Path) -> anyhow::Result<()> {
+    let elf = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    if names_interpreter(&elf).with_context(|| path.display().to_string())? {
+        bail!(
+            "{} is linked dynamically (it names a dynamic loader), and the guest has no shared \
+             libraries: xtask/rustc-static-bins links the guest's programs static; was it \
+             bypassed (another RUSTC_WRAPPER, cargo passing rustc other arguments)?",
+            path.display()
+        );
+    }
     Ok(())
+}
+
+/// Whether a 64-bit little-endian ELF program has a `PT_INTERP` program header.
+fn names_interpreter(elf: &[u8]) -> anyhow::Result<bool> {
+    const PT_INTERP: u32 = 3;
+    let bytes = |at: u64, n: usize| {
+        let at = usize::try_from(at).ok()?;
+        elf.get(at..at.checked_add(n)?)
+    };
+    let u16_at = |at| bytes(at, 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    let u32_at = |at| bytes(at, 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    let u64_at = |at| {
+        bytes(at, 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+    };
+    if !elf.starts_with(b"\x7fELF\x02\x01") {
+        bail!("not a 64-bit little-endian ELF file");
+    }
+    // e_phoff (0x20): where the program headers start; e_phentsize (0x36): the size of each;
+    // e_phnum (0x38): how many. Each one's type comes first.
+    let (Some(phoff), Some(size), Some(count)) = (u64_at(0x20), u16_at(0x36), u16_at(0x38)) else {
+        bail!("the ELF header is cut short");
+    };
+    for i in 0..u64::from(count) {
+        let kind = u32_at(phoff + i * u64::from(size))
+            .with_context(|| format!("program header {i} lies past the file's end"))?;
+        if kind == PT_INTERP {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// Builds the suite's C programs (tests/c/), static, with every warning an error; they see
@@ -459,4 +510,31 @@ fn file_name(path: &Path) -> String {
     path.file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An ELF header with one program header of type `kind` after it.
+    fn elf_with(kind: u32) -> Vec<u8> {
+        let mut elf = vec![0u8; 64 + 56];
+        elf[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        elf[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
+        elf[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+        elf[0x38..0x3a].copy_from_slice(&1u16.to_le_bytes());
+        elf[64..68].copy_from_slice(&kind.to_le_bytes());
+        elf
+    }
+
+    #[test]
+    fn names_interpreter_reads_the_program_headers() {
+        assert!(names_interpreter(&elf_with(3)).unwrap());
+        assert!(!names_interpreter(&elf_with(1)).unwrap());
+        // This test program is linked against the host's shared glibc.
+        let own = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+        assert!(names_interpreter(&own).unwrap());
+        assert!(names_interpreter(b"#!/bin/sh\n").is_err());
+        assert!(names_interpreter(&elf_with(3)[..66]).is_err());
+    }
 }
