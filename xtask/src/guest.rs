@@ -159,8 +159,9 @@ fn ensure_static(path: &Path) -> anyhow::Result<()> {
     if names_interpreter(&elf).with_context(|| path.display().to_string())? {
         bail!(
             "{} is linked dynamically (it names a dynamic loader), and the guest has no shared \
-             libraries: xtask/rustc-static-bins links the guest's programs static; was it \
-             bypassed (another RUSTC_WRAPPER, cargo passing rustc other arguments)?",
+             libraries: xtask/rustc-static-bins links the guest's programs static, and this one \
+             was built without it (by hand, or rustc given other arguments than it looks for); \
+             remove it and run again",
             path.display()
         );
     }
