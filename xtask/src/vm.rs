@@ -311,12 +311,16 @@ fn build_while_fetching(
         let fetch = scope.spawn(|| {
             host::ensure_packages(host::VM_PACKAGES)?;
             let kernel = kernel::prepare(&spec, &host::cache_dir()?)?;
-            // Kept in the driver's build cache, where each machine's own build finds it.
+            // Kept in the driver's build cache, where each machine's own build finds it; built
+            // in a directory of this process's own (another run may build beside it), which
+            // goes once the cache holds the build and stays, with its log, where it failed.
             let ahead = crate::project_root()
                 .join("target/driver-builds")
-                .join(format!("ahead-{}", spec.slug()));
+                .join(format!("ahead-{}-{}", spec.slug(), std::process::id()));
             std::fs::create_dir_all(&ahead)?;
-            driver::build(&kernel, &ahead).map(drop)
+            driver::build(&kernel, &ahead)?;
+            std::fs::remove_dir_all(&ahead)
+                .with_context(|| format!("cannot remove {}", ahead.display()))
         });
         // fio's source and the wheel's tools beside the kernel (10 s from an empty cache).
         let tools = scope.spawn(|| {
