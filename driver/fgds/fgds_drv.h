@@ -19,6 +19,7 @@
 #include <linux/mutex.h>
 #include <linux/percpu-refcount.h>
 #include <linux/pci.h>
+#include <linux/refcount.h>
 #include <linux/rwsem.h>
 #include <linux/sched.h>
 #include <linux/spinlock.h>
@@ -40,6 +41,7 @@
 #endif
 
 struct fgds_io;
+struct dentry;
 struct io_uring_cmd;
 
 /* Smallest prefetchable BAR that makes a PCI device a GPU for fgds. */
@@ -445,12 +447,34 @@ static inline void fgds_lookup_window(void)
 		udelay(us % 1000);
 	}
 }
+
+extern unsigned int fgds_issue_window_us;
+
+/*
+ * The same after a file's method queued an io_uring command's I/O on a
+ * worker: it sleeps, then reads @kiocb's file as ext4's direct reads do on
+ * their way out (issue_window_us, at most 20 ms), so that a test can land
+ * the I/O's completion while the method is still using the kiocb.
+ */
+static inline void fgds_issue_window(struct kiocb *kiocb)
+{
+	unsigned int us = min(READ_ONCE(fgds_issue_window_us), 20000U);
+
+	if (us) {
+		usleep_range(us, us + us / 4 + 1);
+		(void)READ_ONCE(kiocb->ki_filp);
+	}
+}
 #else
 static inline void fgds_race_window(void)
 {
 }
 
 static inline void fgds_lookup_window(void)
+{
+}
+
+static inline void fgds_issue_window(struct kiocb *kiocb)
 {
 }
 #endif
@@ -510,6 +534,9 @@ void fgds_cleanup_fn(struct work_struct *work);
  * @cred: (io_uring commands) the submitter's credentials, while its I/O is
  *	issued again from fgds_io_wq
  * @reissue: (io_uring commands) that issue's work
+ * @issuing: (io_uring commands) while an I/O is queued, two: the file's
+ *	method that queued it and its ->ki_complete(); whichever lets go last
+ *	hands the command to task work, which frees @kiocb and the file
  * @ended: (io_uring commands) that issue ended at once, its write ended
  *	with it
  * @prepared: (io_uring commands) fgds_io_prepare() succeeded: the request
@@ -532,6 +559,7 @@ struct fgds_io_req {
 	struct bio_vec fast[FGDS_IO_FAST_SEGS];
 	const struct cred *cred;
 	struct work_struct reissue;
+	refcount_t issuing;
 	bool ended;
 	bool prepared;
 	struct fgds_io arg;
@@ -561,6 +589,7 @@ long fgds_ioctl_check_file(struct fgds_file *f, void __user *uarg);
 
 /* uring.c */
 int fgds_uring_cmd(struct io_uring_cmd *cmd, unsigned int issue_flags);
+void fgds_uring_debugfs_init(struct dentry *dir);
 
 /* buf.c */
 const struct fgds_extent *fgds_buf_extent(const struct fgds_buf *buf,

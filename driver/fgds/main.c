@@ -12,6 +12,7 @@
  * provider is dropped when the GPU's driver unbinds.
  */
 
+#include <linux/debugfs.h>
 #include <linux/fs.h>
 #include <linux/fs_context.h>
 #include <linux/idr.h>
@@ -64,6 +65,11 @@ unsigned int fgds_lookup_window_us;
 module_param_named(lookup_window_us, fgds_lookup_window_us, uint, 0644);
 MODULE_PARM_DESC(lookup_window_us,
 		 "Kernels with fault injection only: how long a lookup of a registration by its token spins between finding it and taking a reference (only where it found one), so that tests can race UNREG and the registration's free into that window (default 0, at most 20000)");
+
+unsigned int fgds_issue_window_us;
+module_param_named(issue_window_us, fgds_issue_window_us, uint, 0644);
+MODULE_PARM_DESC(issue_window_us,
+		 "Kernels with fault injection only: how long an io_uring command issued on a worker keeps using its kiocb after the file's method queued its I/O, as ext4's reads do, so that tests can land the I/O's completion in that window (default 0, at most 20000)");
 #endif
 
 static const char * const fgds_pages_names[] = {
@@ -110,6 +116,8 @@ struct workqueue_struct *fgds_signal_wq;
 struct workqueue_struct *fgds_io_wq;
 
 static dev_t fgds_devt;
+/* Counters for the rig's tests (uring.c); none where debugfs is off. */
+static struct dentry *fgds_debugfs;
 static struct class *fgds_class;
 static DEFINE_IDA(fgds_minors);
 /* Protects fgds_gpus; taken before any gpu->lock. */
@@ -449,6 +457,8 @@ static int __init fgds_init(void)
 	ret = bus_register_notifier(&pci_bus_type, &fgds_pci_nb);
 	if (ret)
 		goto err_class;
+	fgds_debugfs = debugfs_create_dir("fgds", NULL);
+	fgds_uring_debugfs_init(fgds_debugfs);
 	for_each_pci_dev(pdev)
 		fgds_gpu_add(pdev, false);
 	return 0;
@@ -473,6 +483,7 @@ static void __exit fgds_exit(void)
 	struct fgds_gpu *gpu;
 
 	bus_unregister_notifier(&pci_bus_type, &fgds_pci_nb);
+	debugfs_remove(fgds_debugfs);
 	for (;;) {
 		mutex_lock(&fgds_lock);
 		gpu = list_first_entry_or_null(&fgds_gpus, struct fgds_gpu,

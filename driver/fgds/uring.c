@@ -37,6 +37,7 @@
 
 #include <linux/bvec.h>
 #include <linux/cred.h>
+#include <linux/debugfs.h>
 #include <linux/module.h>
 #include <linux/slab.h>
 #include <linux/uio.h>
@@ -46,20 +47,53 @@
 
 #include "fgds_drv.h"
 
+/*
+ * What the rig's tests read to know that the paths they aim at ran
+ * (debugfs, fgds/): commands issued again after -EAGAIN, and I/Os that
+ * completed before the file's method that queued them, on a worker, had
+ * returned (the task work would have freed its kiocb under it).
+ */
+static atomic_t fgds_uring_reissued = ATOMIC_INIT(0);
+static atomic_t fgds_uring_completed_in_issue = ATOMIC_INIT(0);
+
 #ifdef FGDS_URING_CMD_RESULTS
 static void fgds_uring_io_complete(struct kiocb *kiocb, long ret);
 static FGDS_URING_TW_PROTO(fgds_uring_io_tw);
 static void fgds_uring_reissue_fn(struct work_struct *work);
 
 /*
- * After an issue on fgds_io_wq: an I/O under way completes through
- * fgds_uring_io_complete(); one that ended at once (its write ended with it
- * by the file's method), or a preparation that failed, ends the command.
+ * Starts a prepared request's I/O; on -EIOCBQUEUED the caller lets go of
+ * @issuing with fgds_uring_issued(), after it is done with what the request
+ * lent it (its credentials).
+ */
+static ssize_t fgds_uring_issue(struct fgds_io_req *req, struct iov_iter *iter)
+{
+	ssize_t ret;
+
+	refcount_set(&req->issuing, 2);
+	ret = fgds_io_issue(req, iter);
+	if (ret == -EIOCBQUEUED &&
+	    (current->flags & (PF_WQ_WORKER | PF_IO_WORKER)))
+		fgds_issue_window(&req->kiocb);
+	return ret;
+}
+
+/*
+ * After an issue: an I/O under way goes to task work once it completed too
+ * (fgds_uring_io_complete()); one that ended at once (its write ended with
+ * it by the file's method), or a preparation that failed, ends the command.
  */
 static void fgds_uring_issued(struct fgds_io_req *req, ssize_t ret)
 {
-	if (ret == -EIOCBQUEUED)
+	if (ret == -EIOCBQUEUED) {
+		if (!refcount_dec_and_test(&req->issuing))
+			return;
+		/* Completed first: the submitter could have freed it. */
+		if (current->flags & (PF_WQ_WORKER | PF_IO_WORKER))
+			atomic_inc(&fgds_uring_completed_in_issue);
+		io_uring_cmd_complete_in_task(req->cmd, fgds_uring_io_tw);
 		return;
+	}
 	req->ret = ret;
 	req->ended = true;
 	io_uring_cmd_complete_in_task(req->cmd, fgds_uring_io_tw);
@@ -78,8 +112,9 @@ static void fgds_uring_reissue_fn(struct work_struct *work)
 	struct iov_iter iter;
 	ssize_t ret;
 
+	atomic_inc(&fgds_uring_reissued);
 	fgds_io_rewind(req, &iter);
-	ret = fgds_io_issue(req, &iter);
+	ret = fgds_uring_issue(req, &iter);
 	revert_creds(old);
 	fgds_uring_issued(req, ret);
 }
@@ -108,7 +143,7 @@ static void fgds_uring_prepare_fn(struct work_struct *work)
 	if (!ret) {
 		req->prepared = true;
 		req->kiocb.ki_complete = fgds_uring_io_complete;
-		ret = fgds_io_issue(req, &iter);
+		ret = fgds_uring_issue(req, &iter);
 	}
 	revert_creds(old);
 	fgds_uring_issued(req, ret);
@@ -165,7 +200,9 @@ static void fgds_uring_io_complete(struct kiocb *kiocb, long ret)
 	struct fgds_io_req *req = container_of(kiocb, struct fgds_io_req, kiocb);
 
 	req->ret = ret;
-	io_uring_cmd_complete_in_task(req->cmd, fgds_uring_io_tw);
+	/* Ordered before the task work by the reference's release. */
+	if (refcount_dec_and_test(&req->issuing))
+		io_uring_cmd_complete_in_task(req->cmd, fgds_uring_io_tw);
 }
 
 static int fgds_uring_io(struct io_uring_cmd *cmd, unsigned int issue_flags)
@@ -213,9 +250,11 @@ static int fgds_uring_io(struct io_uring_cmd *cmd, unsigned int issue_flags)
 	}
 	req->prepared = true;
 	req->kiocb.ki_complete = fgds_uring_io_complete;
-	ret = fgds_io_issue(req, &iter);
-	if (ret == -EIOCBQUEUED)
+	ret = fgds_uring_issue(req, &iter);
+	if (ret == -EIOCBQUEUED) {
+		fgds_uring_issued(req, ret);
 		return -EIOCBQUEUED;
+	}
 	if (ret == -EAGAIN && (req->kiocb.ki_flags & IOCB_NOWAIT)) {
 		/* Not queued: the file's method ended its write. */
 		req->ended = true;
@@ -235,6 +274,18 @@ static int fgds_uring_io(struct io_uring_cmd *cmd, unsigned int issue_flags)
 	return -EOPNOTSUPP;
 }
 #endif
+
+/**
+ * fgds_uring_debugfs_init() - the counters the rig's tests read
+ * @dir: fgds's debugfs directory, or an error pointer where there is none
+ */
+void fgds_uring_debugfs_init(struct dentry *dir)
+{
+	debugfs_create_atomic_t("uring_reissued", 0444, dir,
+				&fgds_uring_reissued);
+	debugfs_create_atomic_t("uring_completed_in_issue", 0444, dir,
+				&fgds_uring_completed_in_issue);
+}
 
 /**
  * fgds_uring_cmd() - the node's io_uring commands (FGDS_URING_CMD_*)

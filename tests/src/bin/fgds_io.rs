@@ -72,7 +72,157 @@ fn main() {
             name: "lookup_racing_unreg_takes_no_freed_registration",
             run: lookup_racing_unreg,
         },
+        Case {
+            name: "command_completing_inside_its_issue_waits_for_it",
+            run: completing_inside_issue,
+        },
     ])
+}
+
+/// Where fgds's debugfs counters are (uring.c).
+const DEBUGFS: &str = "/sys/kernel/debug/fgds";
+
+/// fgds's debugfs counter `name`.
+fn debugfs_counter(name: &str) -> anyhow::Result<u64> {
+    let path = std::path::Path::new(DEBUGFS).join(name);
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
+    text.trim()
+        .parse()
+        .with_context(|| format!("{}: {text:?} is no number", path.display()))
+}
+
+/// Read commands of an ext4 file issued on a worker, by io_uring's own (`IOSQE_ASYNC`) and by
+/// fgds's (issued again after `IOCB_NOWAIT` met a writer holding the inode lock), whose I/O
+/// completes before the file's method that queued it has returned. ext4's direct reads use
+/// the kiocb and the file on their way out, so the command may end, and free them, only after
+/// that return; before the fix the task work freed them under the method, which KASAN reported
+/// in CI as a use after free in `ext4_file_read_iter()`. On kernels with fault injection fgds
+/// keeps using the kiocb `issue_window_us` after the method queued the I/O, so that every
+/// completion lands inside; elsewhere the completions land there as they come. The case runs
+/// until fgds counted reissues and completions inside an issue (debugfs) and fails if they
+/// never came; every command moves its 4 KiB, and GPU memory holds the file's bytes.
+fn completing_inside_issue() -> CaseResult {
+    fault::require_idle()?;
+    let Some(dir) = std::env::var_os("FGDS_EXT4") else {
+        return ktap::skip("the rig provides no ext4 filesystem (FGDS_EXT4 unset)");
+    };
+    let node = common::open_node()?;
+    if !has_commands(&node)? {
+        return ktap::skip(NO_COMMANDS);
+    }
+    if !std::path::Path::new(DEBUGFS).exists() {
+        return ktap::skip(format!("no {DEBUGFS}: the kernel has no debugfs"));
+    }
+    /// The file's bytes that the commands read; a writer rewrites the next megabyte.
+    const LEN: u64 = 8 * MIB;
+    const PIECE: u64 = 4096;
+    const DEPTH: u64 = 16;
+    /// Completions inside an issue on a worker, and reissues, that the case waits for.
+    const WANT: u64 = 8;
+    let deadline = Duration::from_secs(60);
+    let path = std::path::Path::new(&dir).join("fgds-issue.bin");
+    let mut ram = AlignedBuf::new((LEN + MIB) as usize)?;
+    pattern::fill(SEED_FILE, 0, ram.as_mut_slice());
+    std::fs::write(&path, ram.as_slice())?;
+    let file = fgds_tests::guest::open_direct(&path, false)?;
+    let vgpu = common::vgpu()?;
+    let (dmabuf, bar_off) = common::alloc(&vgpu, LEN)?;
+    fault::vgpu_fill(bar_off, LEN, SEED_SENTINEL)?;
+    let idx = common::reg(&node, dmabuf.as_fd(), 0, LEN)?;
+    let _window = fault::Window::set("issue_window_us", 2000)?;
+
+    // Buffered writes take the inode lock for writing: a NOWAIT read meets it and fgds
+    // issues it again, waiting, from its workqueue.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let stop = stop.clone();
+        let tail = ram.as_slice()[LEN as usize..].to_vec();
+        let file = std::fs::OpenOptions::new().write(true).open(&path)?;
+        std::thread::spawn(move || -> anyhow::Result<u64> {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let at = (n % (MIB / PIECE)) * PIECE;
+                file.write_all_at(&tail[at as usize..(at + PIECE) as usize], LEN + at)?;
+                n += 1;
+            }
+            Ok(n)
+        })
+    };
+    let before = (
+        debugfs_counter("uring_reissued")?,
+        debugfs_counter("uring_completed_in_issue")?,
+    );
+    let mut ring = IoUring::<Entry128>::builder()
+        .build(DEPTH as u32)
+        .context("io_uring_setup with 128-byte entries")?;
+    let started = Instant::now();
+    let (mut next, mut in_flight) = (0u64, 0u64);
+    let result = loop {
+        let counted = (
+            debugfs_counter("uring_reissued")? - before.0,
+            debugfs_counter("uring_completed_in_issue")? - before.1,
+        );
+        if counted.0 >= WANT && counted.1 >= WANT {
+            break Ok(());
+        }
+        if started.elapsed() > deadline {
+            break Err(anyhow::anyhow!(
+                "{next} commands in {deadline:?}: fgds counted {} reissues and {} completions \
+                 inside an issue on a worker, want {WANT} of each: the race this case is for \
+                 did not happen",
+                counted.0,
+                counted.1
+            ));
+        }
+        while in_flight < DEPTH {
+            let at = (next % (LEN / PIECE)) * PIECE;
+            let mut sqe =
+                common::io_cmd(&node, false, &io_arg(idx, at, PIECE, &file, at)).user_data(next);
+            if next % 2 == 0 {
+                sqe = sqe.flags(io_uring::squeue::Flags::ASYNC);
+            }
+            // SAFETY: the command carries its argument inline; it refers to no memory.
+            unsafe { ring.submission().push(&sqe) }.context("submission queue full")?;
+            next += 1;
+            in_flight += 1;
+        }
+        ring.submit_and_wait(1)?;
+        let mut bad = None;
+        for cqe in ring.completion() {
+            in_flight -= 1;
+            if cqe.result() != PIECE as i32 {
+                bad.get_or_insert((cqe.user_data(), cqe.result()));
+            }
+        }
+        if let Some((n, res)) = bad {
+            break Err(anyhow::anyhow!("command {n} gave {res}, want {PIECE}"));
+        }
+    };
+    while in_flight > 0 {
+        ring.submit_and_wait(1)?;
+        in_flight -= ring.completion().count() as u64;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let writes = fault::join(writer, "writer")?.context("the buffered writer")?;
+    let counted = (
+        debugfs_counter("uring_reissued")? - before.0,
+        debugfs_counter("uring_completed_in_issue")? - before.1,
+    );
+    ktap::diag(format_args!(
+        "{next} commands, {writes} buffered writes beside them, in {:?}: {} reissued, {} \
+         completed inside their issue on a worker",
+        started.elapsed(),
+        counted.0,
+        counted.1
+    ));
+    result?;
+    ctl::gpu_check(bar_off, LEN.min(next * PIECE), SEED_FILE)
+        .context("GPU memory after the commands")?;
+    drop((ring, file, node, dmabuf));
+    std::fs::remove_file(&path)?;
+    fault::wait_counters_zero("after the case")?;
+    ktap::pass()
 }
 
 /// A read's lookup of its registration racing the UNREG that drops its last reference: the
