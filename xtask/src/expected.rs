@@ -488,6 +488,7 @@ pub const SKIPS: &[Skip] = &[
             "fgds_io::uring_commands_many_in_flight",
             "fgds_io::held_command_never_lands_after_revocation",
             "fgds_io::crate_transfer_takes_the_commands",
+            "fgds_io::command_completing_inside_its_issue_waits_for_it",
         ],
         when: &[When::SeriesBelow(6, 12)],
         reason: "EOPNOTSUPP: this kernel's io_uring loses the byte count",
