@@ -5,7 +5,8 @@
 //! for a call held in flight and for no timer, makes new calls fail with ENODEV at once, and
 //! nothing of the held call lands once the exporter reuses the memory; bad calls fail with
 //! the errno the header documents; the crate's `Transfer` uses the commands where there is no
-//! io_uring slot.
+//! io_uring slot; a command issued on a worker whose I/O completes before the file's method
+//! returned ends only after that return.
 
 use fgds_tests::common;
 use fgds_tests::fault;
