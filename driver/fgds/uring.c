@@ -62,6 +62,15 @@ static FGDS_URING_TW_PROTO(fgds_uring_io_tw);
 static void fgds_uring_reissue_fn(struct work_struct *work);
 
 /*
+ * Whether an issue runs on a worker (fgds_io_wq, io-wq), where the
+ * submitter's task work can run while the file's method still does.
+ */
+static bool fgds_uring_on_worker(void)
+{
+	return current->flags & (PF_WQ_WORKER | PF_IO_WORKER);
+}
+
+/*
  * Starts a prepared request's I/O; on -EIOCBQUEUED the caller lets go of
  * @issuing with fgds_uring_issued(), after it is done with what the request
  * lent it (its credentials).
@@ -72,8 +81,7 @@ static ssize_t fgds_uring_issue(struct fgds_io_req *req, struct iov_iter *iter)
 
 	refcount_set(&req->issuing, 2);
 	ret = fgds_io_issue(req, iter);
-	if (ret == -EIOCBQUEUED &&
-	    (current->flags & (PF_WQ_WORKER | PF_IO_WORKER)))
+	if (ret == -EIOCBQUEUED && fgds_uring_on_worker())
 		fgds_issue_window(&req->kiocb);
 	return ret;
 }
@@ -89,7 +97,7 @@ static void fgds_uring_issued(struct fgds_io_req *req, ssize_t ret)
 		if (!refcount_dec_and_test(&req->issuing))
 			return;
 		/* Completed first: the submitter could have freed it. */
-		if (current->flags & (PF_WQ_WORKER | PF_IO_WORKER))
+		if (fgds_uring_on_worker())
 			atomic_inc(&fgds_uring_completed_in_issue);
 		io_uring_cmd_complete_in_task(req->cmd, fgds_uring_io_tw);
 		return;

@@ -83,14 +83,18 @@ fn main() {
 /// Where fgds's debugfs counters are (uring.c).
 const DEBUGFS: &str = "/sys/kernel/debug/fgds";
 
-/// fgds's debugfs counter `name`.
-fn debugfs_counter(name: &str) -> anyhow::Result<u64> {
-    let path = std::path::Path::new(DEBUGFS).join(name);
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
-    text.trim()
-        .parse()
-        .with_context(|| format!("{}: {text:?} is no number", path.display()))
+/// fgds's debugfs counters of its commands (uring.c): (issued again, completed inside their
+/// issue on a worker).
+fn uring_counters() -> anyhow::Result<(u64, u64)> {
+    let read = |name: &str| -> anyhow::Result<u64> {
+        let path = std::path::Path::new(DEBUGFS).join(name);
+        let text =
+            std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
+        text.trim()
+            .parse()
+            .with_context(|| format!("{}: {text:?} is no number", path.display()))
+    };
+    Ok((read("uring_reissued")?, read("uring_completed_in_issue")?))
 }
 
 /// Read commands of an ext4 file issued on a worker, by io_uring's own (`IOSQE_ASYNC`) and by
@@ -150,20 +154,15 @@ fn completing_inside_issue() -> CaseResult {
             Ok(n)
         })
     };
-    let before = (
-        debugfs_counter("uring_reissued")?,
-        debugfs_counter("uring_completed_in_issue")?,
-    );
+    let before = uring_counters()?;
     let mut ring = IoUring::<Entry128>::builder()
         .build(DEPTH as u32)
         .context("io_uring_setup with 128-byte entries")?;
     let started = Instant::now();
     let (mut next, mut in_flight) = (0u64, 0u64);
     let result = loop {
-        let counted = (
-            debugfs_counter("uring_reissued")? - before.0,
-            debugfs_counter("uring_completed_in_issue")? - before.1,
-        );
+        let now = uring_counters()?;
+        let counted = (now.0 - before.0, now.1 - before.1);
         if counted.0 >= WANT && counted.1 >= WANT {
             break Ok(());
         }
@@ -206,10 +205,8 @@ fn completing_inside_issue() -> CaseResult {
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let writes = fault::join(writer, "writer")?.context("the buffered writer")?;
-    let counted = (
-        debugfs_counter("uring_reissued")? - before.0,
-        debugfs_counter("uring_completed_in_issue")? - before.1,
-    );
+    let now = uring_counters()?;
+    let counted = (now.0 - before.0, now.1 - before.1);
     ktap::diag(format_args!(
         "{next} commands, {writes} buffered writes beside them, in {:?}: {} reissued, {} \
          completed inside their issue on a worker",
