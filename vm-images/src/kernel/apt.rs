@@ -9,6 +9,10 @@
 //! apt/update-stamp         written after each `apt-get update`; holds the sources it used
 //! apt/update.log, apt/download.log
 //! ```
+//!
+//! The lists cover the host's suites first; the newer suites (about 20 MB more to fetch) are
+//! added the first time a lookup finds nothing in the host's, as for a 7.x kernel on bookworm.
+//! Lists of the last day that cover more than a run needs serve it as they are.
 
 use std::{
     cell::Cell,
@@ -54,9 +58,22 @@ pub(super) struct Apt {
     /// The host's Debian codename, e.g. "bookworm".
     codename: String,
     options: Vec<String>,
+    /// The sources with the newer suites too, for a lookup the host's suites cannot answer.
+    newer_sources: String,
+    /// Whether the lists in use cover the newer suites.
+    newer: Cell<bool>,
     /// Whether `apt-get update` ran during this process, so a failed lookup does not refresh
     /// twice.
     updated: Cell<bool>,
+}
+
+/// Which suites a private sources.list names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Suites {
+    /// The host's: `<codename>`, `-updates`, `-backports`, `-security`.
+    Host,
+    /// The host's and `NEWER_SUITES`.
+    Newer,
 }
 
 /// One available version of a package, and the suite that offers it.
@@ -90,25 +107,23 @@ pub(super) fn open(cache_dir: &Path) -> anyhow::Result<Apt> {
     }
 
     let codename = host_codename()?;
-    let sources = private_sources(&read_system_sources()?, &codename)?;
-    let sources_path = dir.join("etc/sources.list");
-    if fs::read_to_string(&sources_path).ok().as_deref() != Some(sources.as_str()) {
-        fs::write(&sources_path, &sources)
-            .with_context(|| format!("cannot write {}", sources_path.display()))?;
-    }
-
+    let system = read_system_sources()?;
+    let host_sources = private_sources(&system, &codename, Suites::Host)?;
     let apt = Apt {
         options: options(&dir)?,
+        newer_sources: private_sources(&system, &codename, Suites::Newer)?,
+        newer: Cell::new(false),
         dir,
         codename,
         updated: Cell::new(false),
     };
-    if lists_are_stale(&apt.dir, &sources)
-        && let Err(e) = apt.update()
-    {
-        if !apt.dir.join("update-stamp").exists() {
+    if let Err(e) = apt.update(&host_sources, false) {
+        // Offline: the lists of the last update serve, for the sources they were fetched for.
+        let Ok(stamp) = fs::read_to_string(apt.dir.join("update-stamp")) else {
             return Err(e);
-        }
+        };
+        write_sources(&apt.dir, &stamp)?;
+        apt.newer.set(covers(&stamp, &apt.newer_sources));
         eprintln!("warning: cannot refresh the package lists, using the old ones: {e:#}");
     }
     Ok(apt)
@@ -119,31 +134,51 @@ impl Apt {
         &self.codename
     }
 
-    /// Runs `apt-get update` on the private configuration.
-    pub(super) fn update(&self) -> anyhow::Result<()> {
+    /// Points the private configuration at `sources` and runs `apt-get update`, unless
+    /// `force` is off and lists of the last day cover them: those serve as they are, whatever
+    /// more they cover, so that one run's lookups never lose the suites another run added.
+    fn update(&self, sources: &str, force: bool) -> anyhow::Result<()> {
+        // Held from the sources' write to the stamp's: no run sees lists the stamp does not name.
+        let _lock = self.lock()?;
+        let fresh = fresh_stamp(&self.dir).filter(|it| covers(it, sources));
+        if let (Some(stamp), false) = (&fresh, force) {
+            write_sources(&self.dir, stamp)?;
+            self.newer.set(covers(stamp, &self.newer_sources));
+            return Ok(());
+        }
+        let sources = fresh.as_deref().unwrap_or(sources);
+        write_sources(&self.dir, sources)?;
         eprintln!(
             "updating package lists (private apt config in {}) ...",
             self.dir.display()
         );
-        let _lock = self.lock()?;
         let sh = Shell::new()?;
         let options = &self.options;
         let log = self.dir.join("update.log");
         run_logged(cmd!(sh, "apt-get {options...} update"), &log)
             .context("cannot update the private package lists")?;
         self.updated.set(true);
-        let sources = fs::read_to_string(self.dir.join("etc/sources.list"))?;
+        self.newer.set(covers(sources, &self.newer_sources));
         let stamp = self.dir.join("update-stamp");
         fs::write(&stamp, sources).with_context(|| format!("cannot write {}", stamp.display()))
     }
 
-    /// After a lookup found nothing: refreshes the package lists unless that already happened
-    /// in this process. Returns whether it did, i.e. whether retrying the lookup makes sense.
+    /// After a lookup found nothing: adds the newer suites to the lists if they lack them,
+    /// else refreshes the lists unless that already happened in this process. Returns whether
+    /// it did either, i.e. whether retrying the lookup makes sense.
     pub(super) fn refresh_after_miss(&self) -> anyhow::Result<bool> {
-        if self.updated.get() {
+        if !self.newer.get() {
+            eprintln!(
+                "not in {}'s suites: adding {} to the private package lists",
+                self.codename,
+                NEWER_SUITES.join(", ")
+            );
+            self.update(&self.newer_sources, false)?;
+        } else if self.updated.get() {
             return Ok(false);
+        } else {
+            self.update(&self.newer_sources, true)?;
         }
-        self.update()?;
         Ok(true)
     }
 
@@ -291,15 +326,37 @@ fn options(dir: &Path) -> anyhow::Result<Vec<String>> {
         .collect())
 }
 
-fn lists_are_stale(dir: &Path, sources: &str) -> bool {
+/// The sources the last `apt-get update` used, if it ran less than `LISTS_MAX_AGE` ago.
+fn fresh_stamp(dir: &Path) -> Option<String> {
     let stamp = dir.join("update-stamp");
-    if fs::read_to_string(&stamp).ok().as_deref() != Some(sources) {
-        return true;
-    }
     let age = fs::metadata(&stamp)
         .and_then(|it| it.modified())
         .map(|it| SystemTime::now().duration_since(it).unwrap_or_default());
-    !matches!(age, Ok(age) if age < LISTS_MAX_AGE)
+    match age {
+        Ok(age) if age < LISTS_MAX_AGE => fs::read_to_string(&stamp).ok(),
+        _ => None,
+    }
+}
+
+/// Whether the sources.list `have` names every source `want` does.
+fn covers(have: &str, want: &str) -> bool {
+    let lines = |text: &str| {
+        text.lines()
+            .map(str::trim)
+            .filter(|it| it.starts_with("deb "))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let have = lines(have);
+    lines(want).iter().all(|it| have.contains(it))
+}
+
+fn write_sources(dir: &Path, sources: &str) -> anyhow::Result<()> {
+    let path = dir.join("etc/sources.list");
+    if fs::read_to_string(&path).ok().as_deref() != Some(sources) {
+        fs::write(&path, sources).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
 }
 
 /// An apt source of type `deb` that is enabled.
@@ -429,9 +486,14 @@ fn parse_one_line(text: &str) -> Vec<SourceEntry> {
 }
 
 /// The private sources.list: every Debian archive URI of the system's sources with the host's
-/// suites (`<codename>`, `-updates`, `-backports`) and the newer ones, and the security archive
-/// with `<codename>-security`. Component `main` only: that is where the kernels are.
-fn private_sources(entries: &[SourceEntry], codename: &str) -> anyhow::Result<String> {
+/// suites (`<codename>`, `-updates`, `-backports`) and, for `Suites::Newer`, the newer ones,
+/// and the security archive with `<codename>-security`. Component `main` only: that is where
+/// the kernels are.
+fn private_sources(
+    entries: &[SourceEntry],
+    codename: &str,
+    which: Suites,
+) -> anyhow::Result<String> {
     let is_debian_suite = |suite: &str| {
         let suite = suite.split('/').next().unwrap_or(suite);
         let first = suite.split('-').next().unwrap_or(suite);
@@ -481,7 +543,7 @@ fn private_sources(entries: &[SourceEntry], codename: &str) -> anyhow::Result<St
         .iter()
         .map(|it| format!("{codename}{it}"))
         .collect();
-    for suite in NEWER_SUITES {
+    for suite in NEWER_SUITES.iter().filter(|_| which == Suites::Newer) {
         if !suites.iter().any(|it| it == suite) {
             suites.push((*suite).to_owned());
         }
@@ -670,7 +732,7 @@ deb [broken http://nowhere.example.org/debian sid main
         entries.extend(parse_one_line(
             "deb https://packages.example.com/apt cloud-sdk-bookworm main",
         ));
-        let text = private_sources(&entries, "bookworm").unwrap();
+        let text = private_sources(&entries, "bookworm", Suites::Newer).unwrap();
         let key = "[signed-by=/usr/share/keyrings/debian-archive-keyring.gpg]";
         let expected = format!(
             "\
@@ -696,7 +758,7 @@ deb {key} http://mirror.example.org/debian-security bookworm-security main
     #[test]
     fn derives_the_security_archive_when_the_system_has_none() {
         let entries = parse_one_line("deb http://mirror.example.org/debian/ bookworm main");
-        let text = private_sources(&entries, "bookworm").unwrap();
+        let text = private_sources(&entries, "bookworm", Suites::Newer).unwrap();
         assert!(
             text.contains("deb http://mirror.example.org/debian sid main\n"),
             "{text}"
@@ -713,10 +775,35 @@ deb {key} http://mirror.example.org/debian-security bookworm-security main
     fn fails_without_a_debian_archive() {
         let entries =
             parse_one_line("deb https://packages.example.com/apt cloud-sdk-bookworm main");
-        let err = private_sources(&entries, "bookworm")
+        let err = private_sources(&entries, "bookworm", Suites::Host)
             .unwrap_err()
             .to_string();
         assert!(err.contains("no Debian archive"), "{err}");
+    }
+
+    #[test]
+    fn host_sources_name_only_the_hosts_suites() {
+        let entries = parse_deb822(DEB822);
+        let host = private_sources(&entries, "bookworm", Suites::Host).unwrap();
+        let newer = private_sources(&entries, "bookworm", Suites::Newer).unwrap();
+        for suite in NEWER_SUITES {
+            assert!(!host.contains(&format!(" {suite} main")), "{host}");
+        }
+        assert!(host.contains(" bookworm-backports main\n"), "{host}");
+        assert!(host.contains(" bookworm-security main\n"), "{host}");
+        // Lists fetched for the newer suites serve a run that needs the host's alone, and not
+        // the other way round.
+        assert!(covers(&newer, &host));
+        assert!(!covers(&host, &newer));
+        assert!(covers(&host, &host));
+        // Comments and order do not matter; a missing source does.
+        let reordered: String = host.lines().rev().map(|it| format!("{it}\n")).collect();
+        assert!(covers(&reordered, &host));
+        let fewer = host.replace(
+            "deb http://inline.example.org/debian bookworm-updates main\n",
+            "",
+        );
+        assert!(!covers(&fewer, &host));
     }
 
     #[test]
